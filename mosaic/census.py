@@ -1,0 +1,214 @@
+"""The census of one checkpoint: what it holds and what is wrong with it, before anything is built.
+
+:func:`analyze` joins the strict headers with EXL3 knowledge: modules, bits per layer and group,
+codebooks (marker values read and checked), the exact trellis rate, and every problem a user must
+see before building or serving: mixed codebooks, routed experts that exllamav3 could not fuse,
+incomplete tensor groups, wrong markers, index ↔ header and quantization_config.json ↔ header
+mismatches. The build's preflight and the audit use the same analysis; the census only reports.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from .checkpoint import Checkpoint, read_small_tensors
+from .exl3 import (
+    GROUPS,
+    Module,
+    assign_codebooks,
+    exact_rate,
+    expert_group_problems,
+    group_modules,
+    marker_names,
+    module_problems,
+)
+
+TORCH_DTYPES = {
+    "torch.bool": "BOOL",
+    "torch.uint8": "U8",
+    "torch.int8": "I8",
+    "torch.int16": "I16",
+    "torch.uint16": "U16",
+    "torch.float16": "F16",
+    "torch.bfloat16": "BF16",
+    "torch.int32": "I32",
+    "torch.uint32": "U32",
+    "torch.float32": "F32",
+    "torch.int64": "I64",
+    "torch.uint64": "U64",
+    "torch.float64": "F64",
+    "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.float8_e5m2": "F8_E5M2",
+}
+ST_TO_TORCH = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+@dataclass
+class Analysis:
+    """A checkpoint with its modules interpreted and its problems listed."""
+
+    ckpt: Checkpoint
+    modules: dict[str, Module]
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_hidden_layers(self) -> int | None:
+        return self.ckpt.num_hidden_layers
+
+    @property
+    def rate(self) -> Fraction | None:
+        return exact_rate(self.modules.values(), self.num_hidden_layers)
+
+    def codebooks(self) -> Counter[str]:
+        return Counter(m.codebook for m in self.modules.values() if m.is_exl3 and m.codebook)
+
+    def layers(self) -> list[int]:
+        return sorted({m.info.layer for m in self.modules.values() if m.info.layer is not None})
+
+    def layer_modules(self, layer: int) -> list[Module]:
+        return [m for m in self.modules.values() if m.info.layer == layer]
+
+
+def check_qconfig(ckpt: Checkpoint, modules: dict[str, Module]) -> list[str]:
+    """quantization_config.json ↔ headers: every stored tensor's shape, n_bytes and dtype, bits, markers."""
+    q = ckpt.qconfig
+    if q is None:
+        return []
+    where = "quantization_config.json"
+    storage = q.get("tensor_storage")
+    if not isinstance(storage, dict):
+        return [f"{where}: no tensor_storage object"]
+    problems: list[str] = []
+    described: set[str] = set()
+    for key, entry in storage.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("stored_tensors"), dict):
+            problems.append(f"{where}: {key}: entry has no stored_tensors object")
+            continue
+        for name, st in entry["stored_tensors"].items():
+            described.add(name)
+            if name not in ckpt.tensor_file:
+                problems.append(f"{where}: {key}: stored tensor {name!r} is in no shard")
+                continue
+            if not isinstance(st, dict):
+                problems.append(f"{where}: {name}: entry is not an object")
+                continue
+            t = ckpt.tensor(name)
+            if st.get("shape") != list(t.shape):
+                problems.append(f"{where}: {name}: shape {st.get('shape')} but the header says {list(t.shape)}")
+            if st.get("n_bytes") != t.nbytes:
+                problems.append(f"{where}: {name}: n_bytes {st.get('n_bytes')} but the header says {t.nbytes}")
+            if TORCH_DTYPES.get(st.get("dtype")) != t.dtype:  # type: ignore[arg-type]
+                problems.append(f"{where}: {name}: dtype {st.get('dtype')!r} but the header says {t.dtype}")
+        m = modules.get(key)
+        if m is not None and m.is_exl3:
+            if entry.get("bits_per_weight") != m.bits:
+                problems.append(f"{where}: {key}: bits_per_weight {entry.get('bits_per_weight')} but the trellis holds {m.bits}")
+            for suf in ("mul1", "mcg"):
+                mult = entry.get(f"{suf}_multiplier")
+                if suf == m.marker_suffix:
+                    if m.marker_value is not None and mult != m.marker_value:
+                        problems.append(f"{where}: {key}: {suf}_multiplier {mult} but the marker tensor holds {m.marker_value}")
+                elif mult is not None:
+                    problems.append(f"{where}: {key}: {suf}_multiplier given but the module has no {suf} tensor")
+    undescribed = [n for n in ckpt.tensor_file if n not in described]
+    if undescribed:
+        problems.append(f"{where}: {len(undescribed)} tensor(s) in the shards have no tensor_storage entry, e.g. {undescribed[0]!r}")
+    qbits = q.get("bits")
+    cbits = (ckpt.config or {}).get("quantization_config", {}).get("bits") if isinstance((ckpt.config or {}).get("quantization_config"), dict) else None
+    if cbits is not None and qbits is not None and qbits != cbits:
+        problems.append(f"{where}: bits {qbits} but config.json's quantization_config.bits is {cbits}")
+    return problems
+
+
+def analyze(ckpt: Checkpoint) -> Analysis:
+    """Interpret a checkpoint's tensors as EXL3 modules and collect every problem."""
+    modules = group_modules(t for s in ckpt.shards for t in ckpt.headers[s].tensors)
+    markers = [n for n in marker_names(modules) if ckpt.tensor(n).nbytes == 4]
+    raw = read_small_tensors(ckpt, markers)
+    assign_codebooks(modules, {n: int.from_bytes(b, "little") for n, b in raw.items()})
+    a = Analysis(ckpt, modules, list(ckpt.problems))
+    for m in modules.values():
+        a.problems.extend(module_problems(m))
+    a.problems.extend(expert_group_problems(modules.values()))
+    books = a.codebooks()
+    if len(books) > 1:
+        a.problems.append("mixed codebooks: " + ", ".join(f"{c} ({n} modules)" for c, n in sorted(books.items())))
+    a.problems.extend(check_qconfig(ckpt, modules))
+    if ckpt.config is not None:
+        qc = ckpt.config.get("quantization_config")
+        rate = a.rate
+        bits = qc.get("bits") if isinstance(qc, dict) else None
+        if rate is not None and isinstance(bits, (int, float)) and round(float(rate), 2) != bits:
+            a.notes.append(
+                    f"config.json: quantization_config.bits is {qc['bits']}, the headers give {float(rate):.4f}"
+                )
+        if isinstance(qc, dict) and books and qc.get("codebook") not in (None, *books):
+            a.problems.append(f"config.json: codebook {qc.get('codebook')!r} but the markers say {', '.join(books)}")
+    else:
+        a.notes.append("no config.json")
+    return a
+
+
+def _bits_label(bits: set[float | None]) -> str:
+    vals = sorted(b for b in bits if b is not None)
+    return "/".join(f"{b:g}" for b in vals) if vals else "-"
+
+
+def census_report(a: Analysis) -> dict[str, object]:
+    """The census as a JSON-ready dict (what ``mosaic census --json`` prints)."""
+    ck = a.ckpt
+    hist: dict[str, dict[str, int]] = {}
+    for m in a.modules.values():
+        if m.is_exl3 and m.bits is not None:
+            h = hist.setdefault(f"{m.bits:g}", {"modules": 0, "weights": 0})
+            h["modules"] += 1
+            h["weights"] += m.weights
+    n_layers = a.num_hidden_layers
+    layers = []
+    for layer in a.layers():
+        groups: dict[str, dict[str, object]] = {}
+        for m in a.layer_modules(layer):
+            if not m.is_exl3:
+                continue
+            g = groups.setdefault(m.info.group, {"bits": set(), "modules": 0, "codebooks": set()})
+            g["bits"].add(m.bits)  # type: ignore[union-attr]
+            g["codebooks"].add(m.codebook)  # type: ignore[union-attr]
+            g["modules"] += 1  # type: ignore[operator]
+        rate = exact_rate(a.layer_modules(layer), None)
+        layers.append(
+            {
+                "layer": layer,
+                "mtp": n_layers is not None and layer >= n_layers,
+                "rate": float(rate) if rate is not None else None,
+                "groups": {
+                    k: {"bits": sorted(v["bits"]), "modules": v["modules"], "codebooks": sorted(v["codebooks"])}  # type: ignore[arg-type]
+                    for k, v in sorted(groups.items(), key=lambda kv: GROUPS.index(kv[0]) if kv[0] in GROUPS else 99)
+                },
+            }
+        )
+    head = [m for m in a.modules.values() if m.is_exl3 and m.info.group == "head"]
+    rate = a.rate
+    qc = (ck.config or {}).get("quantization_config") if ck.config else None
+    return {
+        "path": str(ck.root),
+        "shards": len(ck.shards),
+        "tensors": len(ck.tensor_file),
+        "modules": len(a.modules),
+        "exl3_modules": sum(1 for m in a.modules.values() if m.is_exl3),
+        "bytes": {"files": ck.shard_bytes, "tensors": ck.tensor_bytes},
+        "codebooks": dict(sorted(a.codebooks().items())),
+        "bits_histogram": dict(sorted(hist.items(), key=lambda kv: float(kv[0]))),
+        "num_hidden_layers": n_layers,
+        "layers": layers,
+        "head_bits": sorted({m.bits for m in head if m.bits is not None}),
+        "rate": {
+            "exact": float(rate) if rate is not None else None,
+            "exact_fraction": f"{rate.numerator}/{rate.denominator}" if rate is not None else None,
+            "config": qc.get("bits") if isinstance(qc, dict) else None,
+        },
+        "problems": a.problems,
+        "notes": a.notes,
+    }

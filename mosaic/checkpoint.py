@@ -1,0 +1,249 @@
+"""A checkpoint folder seen as shards, headers, index, configs and other files.
+
+Opening a checkpoint reads every shard's header (strictly), the index, ``config.json`` and
+``quantization_config.json``, and lists the remaining files; it never reads tensor data. Names that
+come from files (index entries) are checked before they are joined to a path: absolute names and
+names with ``..`` are refused. Symbolic links are followed for reading (the Hugging Face cache is
+made of them); only logical names, relative to the folder, are ever recorded.
+
+Inconsistencies a user should see but that do not stop reading (an index entry that disagrees with a
+header) are collected as ``problems``; anything that makes the folder unreadable raises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from .errors import CheckpointError, FormatError
+from .safetensors_reader import ShardHeader, TensorInfo, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+QCONFIG_NAME = "quantization_config.json"
+_SHARD_RE = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
+
+
+def check_relative_name(name: object, what: str, where: str) -> str:
+    """Refuse a name read from a file unless it is a plain relative POSIX path inside the folder."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{where}: {what} {name!r} is not a file name")
+    p = PurePosixPath(name)
+    if (
+        p.is_absolute()
+        or name.startswith(("/", "\\"))
+        or "\\" in name
+        or ".." in p.parts
+        or "\x00" in name
+        or re.match(r"^[A-Za-z]:", name)
+        or "." in p.parts
+        or name.endswith("/")
+    ):
+        raise CheckpointError(f"{where}: {what} {name!r} is absolute or leaves the folder; refused")
+    return name
+
+
+def load_json(path: Path, what: str) -> object:
+    """Read a JSON file strictly: UTF-8, no duplicate keys, no NaN; errors name the file."""
+
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
+        out = dict(items)
+        if len(out) != len(items):
+            seen: set[str] = set()
+            for k, _ in items:
+                if k in seen:
+                    raise FormatError(f"{path}: {what}: duplicate key {k!r}")
+                seen.add(k)
+        return out
+
+    def constant(name: str) -> object:
+        raise FormatError(f"{path}: {what}: non-standard JSON constant {name}")
+
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+    except UnicodeDecodeError:
+        raise FormatError(f"{path}: {what} is not UTF-8") from None
+    except RecursionError:
+        raise FormatError(f"{path}: {what} is nested too deeply") from None
+    except ValueError as e:
+        raise FormatError(f"{path}: {what} is not valid JSON: {e}") from None
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a config.json (multimodal configs nest it in ``text_config``)."""
+    tc = config.get("text_config")
+    return tc if isinstance(tc, dict) else config
+
+
+@dataclass
+class Checkpoint:
+    """One checkpoint folder, headers validated. Tensor data is never read here."""
+
+    root: Path
+    shards: list[str]
+    headers: dict[str, ShardHeader]
+    tensor_file: dict[str, str]
+    index: dict | None
+    config: dict | None
+    qconfig: dict | None
+    files: list[str]  # every regular file (after following links), relative POSIX names, sorted
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def other_files(self) -> list[str]:
+        """Files that are neither shards nor the index."""
+        shard_set = set(self.shards)
+        return [f for f in self.files if f not in shard_set and f != INDEX_NAME]
+
+    def tensor(self, name: str) -> TensorInfo:
+        return self.headers[self.tensor_file[name]][name]
+
+    def tensor_names(self) -> list[str]:
+        """All tensor names, shard by shard in file order, tensors in data order."""
+        return [t.name for s in self.shards for t in self.headers[s].tensors]
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def file_range(self, name: str) -> tuple[str, int, int]:
+        shard = self.tensor_file[name]
+        a, b = self.headers[shard].file_range(name)
+        return shard, a, b
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(h.data_size for h in self.headers.values())
+
+    @property
+    def shard_bytes(self) -> int:
+        return sum(h.file_size for h in self.headers.values())
+
+    @property
+    def num_hidden_layers(self) -> int | None:
+        if not self.config:
+            return None
+        n = text_config(self.config).get("num_hidden_layers")
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def list_files(root: Path) -> list[str]:
+    """Regular files below ``root`` (links followed, loops skipped), minus hidden files and folders."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        rel = Path(dirpath).relative_to(root)
+        for fn in filenames:
+            if fn.startswith("."):
+                continue
+            full = Path(dirpath) / fn
+            if full.is_file():
+                out.append((rel / fn).as_posix())
+    return sorted(out)
+
+
+def _shard_sort_key(name: str) -> tuple[int, str]:
+    m = _SHARD_RE.match(name)
+    return (int(m.group(1)) if m else 1 << 30, name)
+
+
+def open_checkpoint(root: str | os.PathLike[str]) -> Checkpoint:
+    """Open a checkpoint folder: shards from the index (or the single ``model.safetensors``)."""
+    rootp = Path(root)
+    if not rootp.is_dir():
+        raise CheckpointError(f"{rootp}: not a folder")
+    files = list_files(rootp)
+    problems: list[str] = []
+    index = None
+    weight_map: dict[str, str] | None = None
+    if INDEX_NAME in files:
+        index = load_json(rootp / INDEX_NAME, "index")
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise CheckpointError(f"{rootp / INDEX_NAME}: no 'weight_map' object")
+        weight_map = index["weight_map"]
+        for shard in set(weight_map.values()) if all(isinstance(v, str) for v in weight_map.values()) else [None]:
+            check_relative_name(shard, "weight_map file name", str(rootp / INDEX_NAME))
+        shards = sorted(set(weight_map.values()), key=_shard_sort_key)
+        missing = [s for s in shards if s not in files]
+        if missing:
+            raise CheckpointError(f"{rootp / INDEX_NAME}: names shard(s) not in the folder: {', '.join(missing)}")
+    else:
+        shards = sorted((f for f in files if f.endswith(".safetensors") and "/" not in f), key=_shard_sort_key)
+        if not shards:
+            raise CheckpointError(f"{rootp}: no {INDEX_NAME} and no *.safetensors files")
+    stray = [f for f in files if f.endswith(".safetensors") and "/" not in f and f not in shards]
+    if stray:
+        problems.append(
+            f"shard file(s) not in the index (exllamav3 loads every *.safetensors): {', '.join(stray)}"
+        )
+
+    headers = {s: read_header(rootp / s) for s in shards}
+    tensor_file: dict[str, str] = {}
+    for s in shards:
+        for t in headers[s].tensors:
+            if t.name in tensor_file:
+                raise CheckpointError(f"{rootp}: tensor {t.name!r} appears in both {tensor_file[t.name]} and {s}")
+            tensor_file[t.name] = s
+
+    if index is not None and weight_map is not None:
+        for key, shard in weight_map.items():
+            where = tensor_file.get(key)
+            if where is None:
+                problems.append(f"index: {key!r} is mapped to {shard} but no shard holds it")
+            elif where != shard:
+                problems.append(f"index: {key!r} is mapped to {shard} but is in {where}")
+        unlisted = [k for k in tensor_file if k not in weight_map]
+        if unlisted:
+            problems.append(f"index: {len(unlisted)} tensor(s) in the shards are not in weight_map, e.g. {unlisted[0]!r}")
+        meta = index.get("metadata")
+        total = meta.get("total_size") if isinstance(meta, dict) else None
+        actual = sum(h.data_size for h in headers.values())
+        if total is not None and total != actual:
+            problems.append(f"index: metadata.total_size is {total} but the shards hold {actual} tensor bytes")
+
+    config = qconfig = None
+    if CONFIG_NAME in files:
+        c = load_json(rootp / CONFIG_NAME, "config")
+        if not isinstance(c, dict):
+            raise CheckpointError(f"{rootp / CONFIG_NAME}: not a JSON object")
+        config = c
+    if QCONFIG_NAME in files:
+        q = load_json(rootp / QCONFIG_NAME, "quantization config")
+        if not isinstance(q, dict):
+            raise CheckpointError(f"{rootp / QCONFIG_NAME}: not a JSON object")
+        qconfig = q
+    return Checkpoint(rootp, shards, headers, tensor_file, index, config, qconfig, files, problems)
+
+
+def read_small_tensors(ckpt: Checkpoint, names: list[str]) -> dict[str, bytes]:
+    """Read the bytes of a few small tensors (codebook markers), one open file per shard."""
+    by_shard: dict[str, list[str]] = {}
+    for n in names:
+        by_shard.setdefault(ckpt.tensor_file[n], []).append(n)
+    out: dict[str, bytes] = {}
+    for shard, ns in by_shard.items():
+        h = ckpt.headers[shard]
+        fd = os.open(ckpt.root / shard, os.O_RDONLY)
+        try:
+            for n in ns:
+                a, b = h.file_range(n)
+                data = os.pread(fd, b - a, a)
+                if len(data) != b - a:
+                    raise CheckpointError(f"{ckpt.root / shard}: tensor {n!r}: file ended while reading it")
+                out[n] = data
+        finally:
+            os.close(fd)
+    return out

@@ -1,0 +1,79 @@
+"""The command line: a thin layer over the Python API.
+
+Every :class:`~mosaic.errors.MosaicError` becomes one ``mosaic: error: ...`` line on stderr and its
+exit status (2 bad input, 1 failed verification); ``--json`` output goes to stdout alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from . import __version__
+from .errors import MosaicError
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"mosaic: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Map mosaic's errors (and Ctrl-C, and full disks) to one line and an exit status."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MosaicError as e:
+            _fail(str(e), e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("mosaic: interrupted", err=True)
+            sys.exit(130)
+        except OSError as e:
+            where = f"{e.filename}: " if e.filename else ""
+            _fail(f"{where}{e.strerror or e}", 2)
+
+    return wrapper
+
+
+def _emit_json(doc: object) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+
+def _console() -> Console:
+    return Console(highlight=False)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mosaic")
+def main() -> None:
+    """Build mixed-precision mosaic checkpoints of quantized LLMs, byte for byte, and prove how."""
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@_guarded
+def census(directory: Path, as_json: bool) -> None:
+    """Inspect one checkpoint: tensors, shards, codebook, bits per layer and module, problems.
+
+    Exit 0 with no problems, 1 with problems, 2 when the checkpoint cannot be read.
+    """
+    from .census import analyze, census_report
+    from .checkpoint import open_checkpoint
+    from .report import render_census
+
+    rep = census_report(analyze(open_checkpoint(directory)))
+    if as_json:
+        _emit_json(rep)
+    else:
+        render_census(_console(), rep)
+    sys.exit(1 if rep["problems"] else 0)

@@ -1,0 +1,232 @@
+"""What mosaic knows about EXL3 checkpoints (see shared/reference/exl3-format.md).
+
+Tensors group into modules by their parent key; a module with a ``.trellis`` tensor is an EXL3
+linear whose bits come from the trellis shape (``shape[-1] / 16``, whole or half rates) and whose
+codebook comes from its marker tensor (``mul1`` / ``mcg`` / none = ``3inst``). Layers are read from
+keys such as ``model.layers.N.`` and ``model.language_model.layers.N.``; routed experts are grouped
+per layer and projection, because exllamav3 fuses them at load and they must share bits and codebook.
+
+This module only interprets names and header entries (plus 4-byte marker values handed to it); it
+never opens files.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from .safetensors_reader import TensorInfo
+
+QUANT_SUFFIXES = frozenset({"trellis", "suh", "svh", "su", "sv", "mul1", "mcg", "bias"})
+MARKERS = {"mul1": 0x83DCD12D, "mcg": 0xCBAC1FED}
+WHOLE_BITS = frozenset(range(1, 9))
+HALF_BITS = frozenset({1.5, 2.5, 3.5})
+
+_LAYER_RE = re.compile(r"^(?P<prefix>(?:[A-Za-z0-9_]+\.)*?)layers\.(?P<layer>\d+)\.(?P<rest>.+)$")
+_EXPERT_RE = re.compile(r"^(?P<mlp>(?:mlp|block_sparse_moe|feed_forward)\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
+_VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.vision_model.", "vision_model.")
+
+#: The module groups the census reports bits for.
+GROUPS = ("routed_experts", "shared_experts", "attention", "dense_mlp", "head", "other")
+
+
+def module_key(tensor_name: str) -> tuple[str, str]:
+    """Split a tensor name into (module key, suffix)."""
+    key, _, suffix = tensor_name.rpartition(".")
+    return key, suffix
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """Where a module sits in the model, read from its key alone."""
+
+    layer: int | None
+    path: str  # the key inside its layer ("mlp.experts.3.down_proj"), or the whole key
+    group: str
+    expert: int | None = None
+    proj: str | None = None  # routed experts: the projection ("mlp.experts.*.down_proj")
+
+
+def parse_key(key: str) -> KeyInfo:
+    """Classify a module key: layer, group (routed experts, attention, ...), expert and projection."""
+    if key.startswith(_VISION_PREFIXES):
+        return KeyInfo(None, key, "vision")
+    m = _LAYER_RE.match(key)
+    if m is None or m.group("prefix").startswith(_VISION_PREFIXES):
+        last = key.rsplit(".", 1)[-1]
+        return KeyInfo(None, key, "head" if last == "lm_head" or key.endswith("lm_head") else "other")
+    layer = int(m.group("layer"))
+    rest = m.group("rest")
+    e = _EXPERT_RE.match(rest)
+    if e:
+        return KeyInfo(layer, rest, "routed_experts", int(e.group("e")), f"{e.group('mlp')}.*.{e.group('proj')}")
+    first = rest.split(".", 1)[0]
+    if ".shared_expert" in f".{rest}" or rest.startswith(("mlp.shared_expert", "shared_expert")):
+        return KeyInfo(layer, rest, "shared_experts")
+    if first in ("self_attn", "attn", "attention", "linear_attn", "mixer"):
+        return KeyInfo(layer, rest, "attention")
+    if first in ("mlp", "feed_forward") and rest.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"):
+        return KeyInfo(layer, rest, "dense_mlp")
+    return KeyInfo(layer, rest, "other")
+
+
+def bits_from_trellis(shape: tuple[int, ...]) -> float | None:
+    """Bits per weight of a trellis tensor, or None when the shape is not an EXL3 trellis."""
+    if len(shape) != 3 or shape[-1] % 8:
+        return None
+    b = Fraction(shape[-1], 16)
+    return int(b) if b.denominator == 1 else float(b)
+
+
+@dataclass
+class Module:
+    """One module: its tensors (suffix → header entry) and, for EXL3 linears, bits and codebook."""
+
+    key: str
+    info: KeyInfo
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    codebook: str | None = None  # set for EXL3 linears once markers are known
+    marker_value: int | None = None
+
+    @property
+    def is_exl3(self) -> bool:
+        return "trellis" in self.tensors
+
+    @property
+    def bits(self) -> float | None:
+        t = self.tensors.get("trellis")
+        return bits_from_trellis(t.shape) if t else None
+
+    @property
+    def in_features(self) -> int | None:
+        t = self.tensors.get("trellis")
+        return t.shape[0] * 16 if t and len(t.shape) == 3 else None
+
+    @property
+    def out_features(self) -> int | None:
+        t = self.tensors.get("trellis")
+        return t.shape[1] * 16 if t and len(t.shape) == 3 else None
+
+    @property
+    def weights(self) -> int:
+        i, o = self.in_features, self.out_features
+        return i * o if i is not None and o is not None else 0
+
+    @property
+    def marker_suffix(self) -> str | None:
+        return "mul1" if "mul1" in self.tensors else "mcg" if "mcg" in self.tensors else None
+
+    def structure(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """Suffixes, dtypes and shapes apart from the trellis's last dim: what must match between sources."""
+        out = []
+        for s, t in sorted(self.tensors.items()):
+            shape = t.shape[:-1] if s == "trellis" else t.shape
+            out.append((s, t.dtype, shape))
+        return tuple(out)
+
+
+def group_modules(tensors: Iterable[TensorInfo]) -> dict[str, Module]:
+    """Group header entries into modules by parent key, in first-seen order."""
+    mods: dict[str, Module] = {}
+    for t in tensors:
+        key, suffix = module_key(t.name)
+        m = mods.get(key)
+        if m is None:
+            m = mods[key] = Module(key, parse_key(key))
+        m.tensors[suffix] = t
+    return mods
+
+
+def marker_names(mods: Mapping[str, Module]) -> list[str]:
+    """Names of every codebook marker tensor (their 4-byte values must be read to check them)."""
+    return [f"{m.key}.{m.marker_suffix}" for m in mods.values() if m.is_exl3 and m.marker_suffix]
+
+
+def assign_codebooks(mods: Mapping[str, Module], marker_values: Mapping[str, int]) -> None:
+    """Set each EXL3 module's codebook from its marker (value as uint32)."""
+    for m in mods.values():
+        if not m.is_exl3:
+            continue
+        suf = m.marker_suffix
+        if suf is None:
+            m.codebook = "3inst"
+        else:
+            m.codebook = suf
+            m.marker_value = marker_values.get(f"{m.key}.{suf}")
+
+
+def module_problems(m: Module) -> list[str]:
+    """Everything wrong with one EXL3 module's tensor group, as messages naming the module."""
+    if not m.is_exl3:
+        return []
+    out: list[str] = []
+    t = m.tensors
+    unknown = sorted(set(t) - QUANT_SUFFIXES)
+    if unknown:
+        out.append(f"{m.key}: unexpected tensor(s) in an EXL3 module: {', '.join(unknown)}")
+    tr = t["trellis"]
+    bits = m.bits
+    if tr.dtype != "I16" or bits is None:
+        out.append(f"{m.key}.trellis: {tr.dtype} {list(tr.shape)} is not an I16 [in/16, out/16, 16*bits] trellis")
+        return out
+    if bits not in WHOLE_BITS and bits not in HALF_BITS:
+        out.append(f"{m.key}.trellis: {bits} bits per weight is not a valid EXL3 rate")
+    if bits in HALF_BITS and m.codebook not in (None, "mul1"):
+        out.append(f"{m.key}: half rate {bits} needs the mul1 codebook, not {m.codebook}")
+    i, o = m.in_features, m.out_features
+    for sign, legacy, n in (("suh", "su", i), ("svh", "sv", o)):
+        if sign in t:
+            if t[sign].shape != (n,):
+                out.append(f"{m.key}.{sign}: shape {list(t[sign].shape)} does not match {n} features")
+        elif legacy not in t:
+            out.append(f"{m.key}: missing {sign} (its tensor group is incomplete)")
+    if "mul1" in t and "mcg" in t:
+        out.append(f"{m.key}: has both mul1 and mcg markers")
+    suf = m.marker_suffix
+    if suf:
+        mt = t[suf]
+        if mt.dtype != "I32" or mt.shape != ():
+            out.append(f"{m.key}.{suf}: marker must be an I32 scalar, is {mt.dtype} {list(mt.shape)}")
+        elif m.marker_value is not None and m.marker_value != MARKERS[suf]:
+            out.append(f"{m.key}.{suf}: marker value {m.marker_value:#010x}, expected {MARKERS[suf]:#010x}")
+    return out
+
+
+def expert_groups(mods: Iterable[Module]) -> dict[tuple[int, str], list[Module]]:
+    """Routed experts grouped per (layer, projection): the units exllamav3 fuses at load."""
+    out: dict[tuple[int, str], list[Module]] = {}
+    for m in mods:
+        if m.is_exl3 and m.info.group == "routed_experts" and m.info.layer is not None and m.info.proj:
+            out.setdefault((m.info.layer, m.info.proj), []).append(m)
+    return out
+
+
+def expert_group_problems(mods: Iterable[Module]) -> list[str]:
+    """Routed experts of one layer and projection must share bits and codebook (exllamav3 fuses them)."""
+    out = []
+    for (layer, proj), ms in sorted(expert_groups(mods).items()):
+        kinds = {(m.bits, m.codebook) for m in ms}
+        if len(kinds) > 1:
+            desc = ", ".join(f"{b} bits/{c}" for b, c in sorted(kinds, key=str))
+            out.append(f"layer {layer} {proj}: routed experts mix {desc}; exllamav3 cannot fuse them")
+    return out
+
+
+def is_decoder_linear(m: Module, num_hidden_layers: int | None) -> bool:
+    """Counted in the trellis rate: EXL3 linears of decoder layers (head, MTP and vision excluded)."""
+    if not m.is_exl3 or m.info.layer is None:
+        return False
+    return num_hidden_layers is None or m.info.layer < num_hidden_layers
+
+
+def exact_rate(mods: Iterable[Module], num_hidden_layers: int | None) -> Fraction | None:
+    """Σ bits × weights / Σ weights over the decoder's EXL3 linears, as an exact fraction."""
+    num = Fraction(0)
+    den = 0
+    for m in mods:
+        if is_decoder_linear(m, num_hidden_layers) and m.bits is not None:
+            num += Fraction(m.bits) * m.weights
+            den += m.weights
+    return num / den if den else None

@@ -1,0 +1,72 @@
+"""How results look on a terminal: rich tables for census, build and audit. Only presentation here."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+_GROUP_COLUMNS = (
+    ("routed_experts", "routed experts"),
+    ("shared_experts", "shared experts"),
+    ("attention", "attention"),
+    ("dense_mlp", "dense MLP"),
+)
+
+
+def human_bytes(n: int) -> str:
+    for unit, div in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def _bits(v: list) -> str:
+    return "/".join(f"{b:g}" for b in v) if v else "-"
+
+
+def render_census(console: Console, rep: dict) -> None:
+    books = ", ".join(f"{k} ({v})" for k, v in rep["codebooks"].items()) or "none"
+    rate = rep["rate"]
+    console.print(f"[bold]{rep['path']}[/bold]")
+    console.print(
+        f"{rep['tensors']:,} tensors in {rep['shards']} shard(s), {rep['bytes']['files']:,} bytes "
+        f"({human_bytes(rep['bytes']['files'])}); {rep['exl3_modules']:,} EXL3 modules; codebook: {books}"
+    )
+    exact = f"{rate['exact']:.4f}" if rate["exact"] is not None else "-"
+    console.print(f"exact trellis rate {exact} bpw (config.json says {rate['config']}); head bits {_bits(rep['head_bits'])}")
+    hist = Table(title="bits histogram", show_edge=False)
+    hist.add_column("bits", justify="right")
+    hist.add_column("modules", justify="right")
+    hist.add_column("weights", justify="right")
+    for b, h in rep["bits_histogram"].items():
+        hist.add_row(b, f"{h['modules']:,}", f"{h['weights']:,}")
+    console.print(hist)
+    t = Table(title="bits per layer and module group", show_edge=False)
+    t.add_column("layer", justify="right")
+    for _, title in _GROUP_COLUMNS:
+        t.add_column(title, justify="center")
+    t.add_column("rate", justify="right")
+    for row in rep["layers"]:
+        g = row["groups"]
+        label = f"{row['layer']}" + (" (MTP)" if row["mtp"] else "")
+        cells = []
+        for key, _ in _GROUP_COLUMNS:
+            if key in g:
+                c = _bits(g[key]["bits"])
+                if key == "routed_experts":
+                    c += f" ×{g[key]['modules']}"
+                if len(g[key]["bits"]) > 1:
+                    c = f"[red]{c}[/red]"
+                cells.append(c)
+            else:
+                cells.append("")
+        t.add_row(label, *cells, f"{row['rate']:.3f}" if row["rate"] is not None else "-")
+    console.print(t)
+    for n in rep["notes"]:
+        console.print(f"[yellow]note:[/yellow] {n}")
+    if rep["problems"]:
+        console.print(f"[red bold]{len(rep['problems'])} problem(s):[/red bold]")
+        for p in rep["problems"]:
+            console.print(f"  [red]✗[/red] {p}", markup=True, highlight=False)
+    else:
+        console.print("[green]no problems found[/green]")

@@ -1,0 +1,307 @@
+"""The strict safetensors reader shared by census, build and audit.
+
+It parses a header without touching tensor data and enforces every rule of the format (see the
+safetensors spec and its Rust reader), plus the one both common JSON parsers forget: duplicate keys.
+One function per rule; each violation raises :class:`~mosaic.errors.SafetensorsError` naming the
+file, the rule and, where there is one, the tensor. It accepts the official writer's space-padded
+headers and exllamav3's minified, unpadded ones, with or without ``__metadata__``.
+
+This module never reads tensor bytes, never trusts a length before checking it against the file,
+and never executes anything from a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import SafetensorsError
+
+#: The reference reader's cap on the JSON header (bytes).
+MAX_HEADER_SIZE = 100_000_000
+
+#: Bits per element of every dtype the format knows (safetensors 0.8, sub-byte types included).
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+
+_TENSOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+_METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One header entry. ``begin``/``end`` are relative to the start of the byte buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A validated safetensors header: tensors in byte order, and where the data starts."""
+
+    path: str
+    header_len: int
+    file_size: int
+    metadata: dict[str, str] | None
+    tensors: tuple[TensorInfo, ...]
+    _by_name: dict[str, TensorInfo] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+    @property
+    def data_size(self) -> int:
+        return self.file_size - self.data_start
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+    def file_range(self, name: str) -> tuple[int, int]:
+        """Absolute (start, end) byte positions of a tensor in the file."""
+        t = self._by_name[name]
+        return self.data_start + t.begin, self.data_start + t.end
+
+
+def element_count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of this dtype and shape occupies; sub-byte types must fill whole bytes."""
+    bits = element_count(shape) * DTYPE_BITS[dtype]
+    if bits % 8:
+        raise ValueError(f"{dtype} tensor of shape {list(shape)} does not fill a whole number of bytes")
+    return bits // 8
+
+
+# --- rules, one function each -------------------------------------------------------------------
+
+
+def _check_length_prefix(path: str, prefix: bytes, file_size: int) -> int:
+    if len(prefix) < 8:
+        raise SafetensorsError(path, "HeaderTooSmall", f"file is {file_size} bytes, shorter than the 8-byte length")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER_SIZE:
+        raise SafetensorsError(path, "HeaderTooLarge", f"header length {n} exceeds {MAX_HEADER_SIZE}")
+    if 8 + n > file_size:
+        raise SafetensorsError(
+            path, "InvalidHeaderLength", f"header length {n} runs past the end of the {file_size}-byte file"
+        )
+    return n
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``object_pairs_hook`` that refuses repeated keys (``dict(pairs)`` keeps this fast at 150k keys)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return obj
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _decode_json(path: str, raw: bytes) -> dict[str, object]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SafetensorsError(path, "InvalidHeaderUtf8", f"header is not UTF-8 ({e.reason} at byte {e.start})") from None
+    if not text.startswith("{"):
+        raise SafetensorsError(path, "InvalidHeaderStart", "header does not start with '{'")
+    try:
+        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+    except _DuplicateKey as e:
+        raise SafetensorsError(path, "DuplicateKey", "key appears more than once in the header", key=e.key) from None
+    except RecursionError:
+        raise SafetensorsError(path, "InvalidHeaderDeserialization", "header JSON is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, oversized integers, NaN/Infinity
+        raise SafetensorsError(path, "InvalidHeaderDeserialization", f"header is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise SafetensorsError(path, "InvalidHeaderDeserialization", "header is not a JSON object")
+    return obj
+
+
+def _check_metadata(path: str, value: object) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise SafetensorsError(path, "InvalidMetadata", "__metadata__ must map strings to strings")
+    return value
+
+
+def _is_uint(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_entry(path: str, name: str, entry: object) -> TensorInfo:
+    # Fast path for the common, valid entry; anything unusual falls through to the detailed checks.
+    if type(entry) is dict and len(entry) == 3:
+        dtype = entry.get("dtype")
+        shape = entry.get("shape")
+        offsets = entry.get("data_offsets")
+        bits = DTYPE_BITS.get(dtype) if type(dtype) is str else None
+        if (
+            bits is not None
+            and type(shape) is list
+            and type(offsets) is list
+            and len(offsets) == 2
+            and type(offsets[0]) is int
+            and type(offsets[1]) is int
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            n = bits
+            ok = True
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    ok = False
+                    break
+                n *= d
+            if ok and n % 8 == 0 and n // 8 == offsets[1] - offsets[0]:
+                return TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1])
+    return _check_entry_slow(path, name, entry)
+
+
+def _check_entry_slow(path: str, name: str, entry: object) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise SafetensorsError(path, "InvalidTensorInfo", "entry is not an object", key=name)
+    if set(entry) != _TENSOR_FIELDS:
+        missing = sorted(_TENSOR_FIELDS - set(entry))
+        extra = sorted(set(entry) - _TENSOR_FIELDS)
+        detail = ", ".join(
+            part for part in (f"missing {missing}" if missing else "", f"unknown {extra}" if extra else "") if part
+        )
+        raise SafetensorsError(path, "InvalidTensorInfo", f"fields must be dtype, shape, data_offsets ({detail})", key=name)
+    dtype = entry["dtype"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise SafetensorsError(path, "UnknownDtype", f"unknown dtype {dtype!r}", key=name)
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise SafetensorsError(path, "InvalidShape", f"shape must be a list of non-negative integers, got {shape!r}", key=name)
+    offsets = entry["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+        raise SafetensorsError(path, "InvalidOffset", f"data_offsets must be two non-negative integers, got {offsets!r}", key=name)
+    begin, end = offsets
+    if end < begin:
+        raise SafetensorsError(path, "InvalidOffset", f"data_offsets end {end} is before begin {begin}", key=name)
+    shape_t = tuple(shape)
+    try:
+        expected = tensor_nbytes(dtype, shape_t)
+    except ValueError as e:
+        raise SafetensorsError(path, "MisalignedSlice", str(e), key=name) from None
+    if expected != end - begin:
+        raise SafetensorsError(
+            path,
+            "TensorInvalidInfo",
+            f"{dtype} shape {shape} needs {expected} bytes but data_offsets span {end - begin}",
+            key=name,
+        )
+    return TensorInfo(name, dtype, shape_t, begin, end)
+
+
+def _check_tiling(path: str, tensors: list[TensorInfo], data_size: int) -> None:
+    pos = 0
+    for t in tensors:
+        if t.begin != pos:
+            rule = "HoleInData" if t.begin > pos else "OverlappingTensors"
+            raise SafetensorsError(
+                path, rule, f"tensor starts at buffer offset {t.begin}, previous data ends at {pos}", key=t.name
+            )
+        pos = t.end
+    if pos != data_size:
+        rule = "TrailingBytes" if data_size > pos else "TruncatedFile"
+        raise SafetensorsError(
+            path, rule, f"tensor data ends at buffer offset {pos} but the file holds {data_size} data bytes"
+        )
+
+
+# --- entry points --------------------------------------------------------------------------------
+
+
+def parse_header(path: str | os.PathLike[str], head: bytes, file_size: int) -> ShardHeader:
+    """Validate a header given the file's first bytes (at least 8 + header length) and its size."""
+    p = str(path)
+    n = _check_length_prefix(p, head[:8], file_size)
+    raw = head[8 : 8 + n]
+    if len(raw) < n:
+        raise SafetensorsError(p, "InvalidHeaderLength", f"only {len(raw)} of {n} header bytes available")
+    obj = _decode_json(p, raw)
+    metadata = None
+    tensors: list[TensorInfo] = []
+    for name, entry in obj.items():
+        if name == _METADATA_KEY:
+            metadata = _check_metadata(p, entry)
+            continue
+        tensors.append(_check_entry(p, name, entry))
+    tensors.sort(key=lambda t: (t.begin, t.end))
+    _check_tiling(p, tensors, file_size - 8 - n)
+    return ShardHeader(p, n, file_size, metadata, tuple(tensors), {t.name: t for t in tensors})
+
+
+def read_header(path: str | os.PathLike[str]) -> ShardHeader:
+    """Read and validate the header of one safetensors file (reads only the header bytes)."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            n = _check_length_prefix(str(p), prefix, size)
+            raw = f.read(n)
+    except OSError as e:
+        raise SafetensorsError(p, "Unreadable", e.strerror or str(e)) from None
+    return parse_header(p, prefix + raw, size)

@@ -1,0 +1,50 @@
+"""Shared fixtures: small synthetic checkpoints, written once per session and never modified."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mosaic.testing import Geometry, demo_geometry, write_checkpoint
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Digest of every file below ``root``: tests use it to prove sources are never modified."""
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory: pytest.TempPathFactory):
+    """Make (and cache) a checkpoint per geometry; tests that modify one must copy it first."""
+    cache: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("ckpts")
+
+    def make(g: Geometry) -> Path:
+        key = repr(g)
+        if key not in cache:
+            cache[key] = write_checkpoint(root / f"c{len(cache)}", g)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture
+def demo_base(ckpt_factory) -> Path:
+    return ckpt_factory(demo_geometry())
+
+
+@pytest.fixture
+def copy_of(tmp_path: Path):
+    def copy(src: Path, name: str = "copy") -> Path:
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy

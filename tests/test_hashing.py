@@ -1,0 +1,43 @@
+"""One read gives the file digest and every range digest."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from mosaic.hashing import digest_file
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
+def test_file_and_range_digests(tmp_path: Path, chunk: int) -> None:
+    data = bytes(range(256)) * 40 + b"tail"
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    ranges = [(5000, len(data)), (0, 10), (10, 10), (10, 5000)]
+    d = digest_file(p, ranges, chunk_size=chunk)
+    assert d.size == len(data)
+    assert d.sha256 == hashlib.sha256(data).hexdigest()
+    assert d.ranges == tuple(hashlib.sha256(data[a:b]).hexdigest() for a, b in ranges)
+
+
+def test_range_past_end_is_an_error(tmp_path: Path) -> None:
+    p = tmp_path / "f"
+    p.write_bytes(b"abc")
+    with pytest.raises(ValueError):
+        digest_file(p, [(0, 4)])
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    p = tmp_path / "f"
+    p.write_bytes(b"")
+    d = digest_file(p, [(0, 0)])
+    assert d.sha256 == hashlib.sha256(b"").hexdigest() and d.ranges == (hashlib.sha256(b"").hexdigest(),)
+
+
+def test_overlapping_ranges_refused(tmp_path: Path) -> None:
+    p = tmp_path / "f"
+    p.write_bytes(b"abcdef")
+    with pytest.raises(ValueError):
+        digest_file(p, [(0, 4), (3, 5)])
