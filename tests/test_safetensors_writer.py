@@ -57,11 +57,10 @@ def test_reordered_copy_reads_back_through_library(tmp_path: Path, kernel: bool)
     out = tmp_path / "out.safetensors"
     write_shard(layout, out, kernel_copy=kernel)
     assert out.stat().st_size == layout.size
-    assert layout.header[8:].endswith(b" ") or (len(layout.header) - 8) % 8 == 0
     assert (len(layout.header) - 8) % 8 == 0
     with safe_open(src, "np") as a, safe_open(out, "np") as b:
         assert set(a.keys()) == set(b.keys())
-        for k in a:
+        for k in a.keys():  # noqa: SIM118 (safe_open is not iterable)
             assert np.array_equal(a.get_tensor(k), b.get_tensor(k))
     assert read_header(out).names() == [t.name for t in tensors]
 
