@@ -77,3 +77,37 @@ def census(directory: Path, as_json: bool) -> None:
     else:
         render_census(_console(), rep)
     sys.exit(1 if rep["problems"] else 0)
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--out", "out", type=click.Path(path_type=Path), help="Output folder (default: the recipe's output.dir, else out/<name>).")
+@click.option("--force", is_flag=True, help="Replace an existing output folder, after the new build succeeded.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files processed at once (default: number of cores).")
+@click.option("--link", is_flag=True, help="Hard-link untouched shards instead of copying them (they then share the base's inode).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
+@_guarded
+def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: bool, as_json: bool) -> None:
+    """Build the mosaic described by the YAML RECIPE, byte for byte, with PROVENANCE.json."""
+    from .build import build as run_build
+    from .progress import reporter
+    from .report import render_build
+
+    with reporter(False if as_json else None) as progress:
+        res = run_build(recipe, out=out, force=force, jobs=jobs, link=link, progress=progress)
+    doc = res.provenance
+    summary = {
+        "output": str(res.out_dir),
+        "name": doc["name"],
+        "size": doc["size"],
+        "rate": doc["rate"],
+        "files": len(doc["files"]) + 2,
+        "tensors": len(doc["tensors"]),
+        "from_donors": sum(1 for t in doc["tensors"] if t["source"] != "base"),
+        "shards": {name: method for name, method in res.splice.methods.items()},
+        "checks": doc["checks"],
+    }
+    if as_json:
+        _emit_json(summary)
+    else:
+        render_build(_console(), summary)

@@ -70,3 +70,23 @@ def render_census(console: Console, rep: dict) -> None:
             console.print(f"  [red]✗[/red] {p}", markup=True, highlight=False)
     else:
         console.print("[green]no problems found[/green]")
+
+
+def render_build(console: Console, s: dict) -> None:
+    rate = s["rate"]
+    console.print(f"[bold green]built[/bold green] {s['output']}")
+    console.print(
+        f"{s['size']['shards']:,} bytes ({human_bytes(s['size']['shards'])}) in {len(s['shards'])} shard(s); "
+        f"{s['tensors']:,} tensors, {s['from_donors']:,} from donors"
+    )
+    console.print(
+        f"rate: exact {rate['exact']:.4f} bpw (config bits {rate['config_bits']}), by bytes {rate['by_bytes']:.4f}, "
+        f"by layer mass {rate['by_layer_mass']:.4f}; base {rate['base']:.4f}"
+    )
+    t = Table(show_edge=False)
+    t.add_column("check")
+    t.add_column("ok")
+    t.add_column("detail")
+    for c in s["checks"]:
+        t.add_row(c["name"], "[green]✓[/green]" if c["ok"] else "[red]✗[/red]", c["detail"])
+    console.print(t)

@@ -1,0 +1,208 @@
+"""``mosaic build``: recipe → sources → selection → plan → splice → provenance, atomically.
+
+Everything is written into a hidden temporary sibling of the output folder, which is renamed into
+place only when the whole build has been verified; on any error or interrupt it is removed (after a
+SIGKILL, the next build removes it). An existing output is replaced only with ``force`` and only
+after the new build succeeded. Nothing in the output depends on the time or the machine, so two
+builds of one recipe give byte-identical folders.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from .card import render_card
+from .census import Analysis, analyze
+from .checkpoint import open_checkpoint
+from .errors import OutputError, SourceError
+from .hashing import sha256_bytes
+from .plan import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, BuildPlan, make_plan
+from .progress import SILENT, Reporter
+from .provenance import build_provenance, checked_dumps, manifest
+from .recipe import Recipe, load_recipe
+from .selection import select
+from .sources import resolve_source
+from .splice import FileRecord, SpliceResult, splice
+
+PARTIAL_TAG = ".mosaic-partial-"
+#: Room kept free beyond the planned bytes (filesystem metadata, the provenance files).
+SPACE_MARGIN = 64 << 20
+
+
+@dataclass
+class BuildResult:
+    out_dir: Path
+    plan: BuildPlan
+    provenance: dict
+    splice: SpliceResult
+
+
+def load_sources(recipe: Recipe, relative_to: Path | None = None) -> dict[str, Analysis]:
+    """Resolve and census the base and every donor; refuse sources with problems."""
+    where = relative_to or recipe.folder
+    out: dict[str, Analysis] = {}
+    specs = {"base": recipe.base, **recipe.donors}
+    for sid, spec in specs.items():
+        folder = resolve_source(spec, where)
+        a = analyze(open_checkpoint(folder))
+        if a.problems:
+            more = f" (and {len(a.problems) - 1} more; run `mosaic census {folder}`)" if len(a.problems) > 1 else ""
+            raise SourceError(f"source {sid!r} ({spec.describe()}): {a.problems[0]}{more}")
+        out[sid] = a
+    return out
+
+
+def plan_build(recipe: Recipe) -> BuildPlan:
+    sources = load_sources(recipe)
+    used = {r.donor for r in recipe.rules}
+    unused = [d for d in recipe.donors if d not in used]
+    if unused:
+        raise SourceError(f"{recipe.file}: donors: {', '.join(unused)} is used by no replace rule")
+    selection = select(recipe, sources["base"], {k: v for k, v in sources.items() if k != "base"})
+    return make_plan(recipe, sources, selection)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_partials(out_dir: Path) -> list[Path]:
+    """Remove temporary folders left by killed builds of this output.
+
+    A build killed between moving the previous output aside and renaming the new one into place
+    leaves the previous output as ``...-previous``: it is put back, not deleted."""
+    removed = []
+    pat = re.compile(rf"^\.{re.escape(out_dir.name)}{re.escape(PARTIAL_TAG)}(\d+)-([0-9a-f]+|previous)$")
+    if not out_dir.parent.is_dir():
+        return removed
+    for p in sorted(out_dir.parent.iterdir()):
+        m = pat.match(p.name)
+        if not m or not p.is_dir() or p.is_symlink() or _pid_alive(int(m.group(1))):
+            continue
+        if m.group(2) == "previous" and not out_dir.exists():
+            os.rename(p, out_dir)
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Let SIGTERM clean up like Ctrl-C does (only possible on the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _check_space(plan: BuildPlan, parent: Path, link: bool) -> None:
+    need = plan.bytes_to_write(link) + SPACE_MARGIN
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise OutputError(f"{parent}: {free:,} bytes free, the mosaic needs {need:,} (planned exactly, plus margin)")
+
+
+def _finish(plan: BuildPlan, res: SpliceResult, tmp: Path) -> dict:
+    """Write README.md, PROVENANCE.json and the manifest; returns the provenance document."""
+    doc = build_provenance(plan, res)
+    card = render_card(doc)
+    (tmp / CARD_NAME).write_bytes(card)
+    res.files[CARD_NAME] = FileRecord(CARD_NAME, len(card), sha256_bytes(card))
+    doc["files"] = [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in sorted(res.files.values(), key=lambda r: r.name)]
+    data = checked_dumps(doc)
+    (tmp / PROVENANCE_NAME).write_bytes(data)
+    records = [*res.files.values(), FileRecord(PROVENANCE_NAME, len(data), sha256_bytes(data))]
+    (tmp / MANIFEST_NAME).write_bytes(manifest(records))
+    return doc
+
+
+def build(
+    recipe_path: str | Path,
+    *,
+    out: str | Path | None = None,
+    force: bool = False,
+    jobs: int | None = None,
+    link: bool = False,
+    progress: Reporter = SILENT,
+) -> BuildResult:
+    """Build the mosaic a recipe describes. Raises MosaicError (exit 2) or VerificationError (exit 1)."""
+    recipe = load_recipe(recipe_path)
+    out_dir = Path(out).absolute() if out is not None else recipe.output_path()
+    jobs = jobs or os.cpu_count() or 1
+    if out_dir.exists() and not force:
+        raise OutputError(f"{out_dir}: already exists; pass --force to replace it after a successful build")
+    if out_dir.is_symlink():
+        raise OutputError(f"{out_dir}: is a symbolic link; refusing to build through it")
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{parent}: cannot create the output's parent folder: {e.strerror or e}") from None
+    if not os.access(parent, os.W_OK):
+        raise OutputError(f"{parent}: not writable")
+    clean_stale_partials(out_dir)
+
+    plan = plan_build(recipe)
+    sources_resolved = {sid: a.ckpt.root.resolve() for sid, a in plan.sources.items()}
+    if any(out_dir.resolve() == r or out_dir.resolve() in r.parents for r in sources_resolved.values()):
+        raise OutputError(f"{out_dir}: is a source folder or contains one; choose another output")
+    _check_space(plan, parent, link)
+
+    tmp = parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-{os.urandom(4).hex()}"
+    tmp.mkdir()
+    old: Path | None = None
+    try:
+        with _sigterm_as_interrupt():
+            res = splice(plan, tmp, jobs=jobs, link=link, progress=progress)
+            doc = _finish(plan, res, tmp)
+            if out_dir.exists():
+                old = parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-previous"
+                os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out_dir.exists():
+            os.rename(old, out_dir)
+            old = None
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return BuildResult(out_dir, plan, doc, res)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,166 @@
+"""The model card (README.md) of a mosaic, rendered from its PROVENANCE.json alone.
+
+Because the card is a pure function of the provenance record, ``mosaic audit`` re-renders it and
+compares: the numbers a hub user reads (rates, sizes, which layers come from where) cannot drift
+from what was verified. The generated part sits between two markers; a publisher may add text
+outside them (the manifest still covers the file).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .exl3 import bits_from_trellis, parse_key
+
+BEGIN = "<!-- mosaic:begin (generated from PROVENANCE.json; `mosaic audit` checks this block) -->"
+END = "<!-- mosaic:end -->"
+_GROUP_TITLES = {
+    "routed_experts": "routed experts",
+    "shared_experts": "shared experts",
+    "attention": "attention",
+    "dense_mlp": "dense MLP",
+    "other": "other",
+}
+
+
+def ranges(nums: list[int]) -> str:
+    """[3, 32, 33, 36, 37, 38] -> '3, 32–33, 36–38'."""
+    out: list[str] = []
+    nums = sorted(nums)
+    i = 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        out.append(str(nums[i]) if i == j else f"{nums[i]}–{nums[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _source_label(s: dict) -> str:
+    if "repo" in s:
+        return f"`{s['repo']}` @ `{s['revision']}`"
+    return f"`{s['path']}` (local folder)"
+
+
+def _fmt_rate(r: float | None, digits: int = 4) -> str:
+    return "—" if r is None else f"{r:.{digits}f}"
+
+
+def layer_table(tensors: list[dict]) -> list[tuple[list[int], dict[str, str]]]:
+    """Layers grouped by identical (group → 'source bits') signatures, in layer order."""
+    per_layer: dict[int, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for t in tensors:
+        name = t["name"]
+        if not name.endswith(".trellis"):
+            continue
+        info = parse_key(name[: -len(".trellis")])
+        if info.layer is None:
+            continue
+        bits = bits_from_trellis(tuple(t["shape"]))
+        per_layer[info.layer][info.group].add(f"{t['source']} {bits:g}" if bits is not None else t["source"])
+    rows: list[tuple[list[int], dict[str, str]]] = []
+    for layer in sorted(per_layer):
+        sig = {g: " + ".join(sorted(v)) for g, v in per_layer[layer].items()}
+        if rows and rows[-1][1] == sig and rows[-1][0][-1] == layer - 1:
+            rows[-1][0].append(layer)
+        else:
+            rows.append(([layer], sig))
+    return rows
+
+
+def render_block(doc: dict) -> str:
+    """The generated part of the card."""
+    rate = doc["rate"]
+    size = doc["size"]
+    srcs = doc["sources"]
+    n_tensors = len(doc["tensors"])
+    n_donor = sum(1 for t in doc["tensors"] if t["source"] != "base")
+    shards = sorted({t["file"] for t in doc["tensors"]})
+    lines = [BEGIN, "", "## At a glance", "", "| | |", "|---|---|"]
+    lines.append(f"| Exact trellis rate | {_fmt_rate(rate['exact'])} bpw (`config.json` bits: {rate['config_bits']}) |")
+    lines.append(f"| Size | {size['shards']:,} bytes in {len(shards)} shard(s); base {size['base_shards']:,} bytes |")
+    lines.append(f"| Base | {_source_label(srcs['base'])} — {_fmt_rate(rate['base'])} bpw |")
+    for sid, s in srcs.items():
+        if sid != "base":
+            lines.append(f"| Donor `{sid}` | {_source_label(s)} — {_fmt_rate(rate['donors'].get(sid))} bpw |")
+    lines.append(f"| Tensors | {n_tensors:,}: {n_donor:,} from donors, {n_tensors - n_donor:,} byte-for-byte from the base |")
+    lines.append(f"| Recipe | `{doc['recipe']['file']}`, SHA-256 `{doc['recipe']['sha256']}` |")
+    lines += ["", "## What comes from where", ""]
+    for sel in doc.get("selection", []):
+        lines.append(
+            f"- rule {sel['rule']}: from `{sel['from']}`, layers {ranges(sel.get('layers', [])) or '—'}: "
+            f"{sel.get('modules', 0):,} modules, {sel['tensors']:,} tensors, {sel.get('bytes', 0):,} bytes"
+        )
+    rows = layer_table(doc["tensors"])
+    groups = [g for g in _GROUP_TITLES if any(g in sig for _, sig in rows)]
+    if rows:
+        lines += ["", "Bits per layer (source and bits of each EXL3 module group):", ""]
+        lines.append("| Layers | " + " | ".join(_GROUP_TITLES[g] for g in groups) + " |")
+        lines.append("|---|" + "---|" * len(groups))
+        for layers, sig in rows:
+            cells = []
+            for g in groups:
+                v = sig.get(g, "")
+                cells.append(f"**{v}**" if v and not v.startswith("base") else v or "—")
+            lines.append(f"| {ranges(layers)} | " + " | ".join(cells) + " |")
+    lines += ["", "## Rate, three ways", ""]
+    lines.append(
+        f"- **Exact**: Σ bits × weights / Σ weights over the decoder's EXL3 linears, read from the headers: "
+        f"**{_fmt_rate(rate['exact'])} bpw** (= {rate['exact_fraction']})."
+    )
+    lines.append(
+        f"- **By bytes**: base rate × mosaic size / base size = {_fmt_rate(rate['base'])} × "
+        f"{size['shards']:,} / {size['base_shards']:,} = {_fmt_rate(rate['by_bytes'])} bpw."
+    )
+    lines.append(
+        f"- **By layer mass**: each decoder layer at the rate of the source that supplies most of its "
+        f"weights, averaged over layers: {_fmt_rate(rate['by_layer_mass'])} bpw."
+    )
+    lines += ["", "## Sources", ""]
+    for sid, s in srcs.items():
+        total = sum(f["size"] for f in s["files"])
+        lines.append(f"- `{sid}`: {_source_label(s)}; {len(s['files'])} files used, {total:,} bytes (digests in PROVENANCE.json)")
+    lines += [
+        "",
+        "## Verify",
+        "",
+        "```bash",
+        "sha256sum -c sha256-manifest.txt      # every file, byte for byte",
+        "mosaic audit .                         # headers, index, configs, provenance, per-tensor digests",
+        "mosaic audit . --sources               # and every tensor against the source it came from",
+        "```",
+        "",
+        "Checks recorded by the build:",
+        "",
+    ]
+    for c in doc["checks"]:
+        lines.append(f"- {'✓' if c['ok'] else '✗'} `{c['name']}`: {c['detail']}")
+    lines += ["", END]
+    return "\n".join(lines) + "\n"
+
+
+def render_card(doc: dict) -> bytes:
+    base = doc["sources"]["base"]
+    front = ["---"]
+    if "repo" in base:
+        front += [f"base_model: {base['repo']}", "base_model_relation: quantized"]
+    front += ["library_name: exllamav3", "tags:", "- exl3", "- mosaic", "---", ""]
+    head = [
+        f"# {doc['name']}",
+        "",
+        "A mixed-precision EXL3 mosaic: chosen tensors of the base are replaced, byte for byte, by the same "
+        "tensors from a higher-bitrate quantization of the same model. Nothing is re-quantized; every tensor is "
+        f"byte-identical to the tensor of its source, and PROVENANCE.json records each one's SHA-256. "
+        f"Built with mosaic {doc['tool']['version']}.",
+        "",
+    ]
+    return ("\n".join(front + head) + render_block(doc)).encode("utf-8")
+
+
+def extract_block(card: str) -> str | None:
+    a = card.find(BEGIN)
+    b = card.find(END, a)
+    if a < 0 or b < 0:
+        return None
+    return card[a : b + len(END)] + "\n"

@@ -1,0 +1,221 @@
+"""The build plan: every output file's name, header bytes, tensor offsets and exact size, and the
+bytes of every metadata file, fixed before a single data byte is written.
+
+From the recipe, the analysed sources and the selection, the plan lays out the base's shards (same
+names, same tensor order, selected tensors from their donors), decides which shards are untouched
+(copied whole, byte-identical), derives the index, config.json and quantization_config.json, checks
+that those agree with the planned headers, and computes the mosaic's rates. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+from . import metadata
+from .census import Analysis
+from .checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
+from .errors import SourceError
+from .exl3 import Module, exact_rate, is_decoder_linear
+from .recipe import Recipe
+from .safetensors_writer import OutTensor, ShardLayout, layout_shard
+from .selection import Selection
+
+RECIPE_NAME = "mosaic-recipe.yaml"
+PROVENANCE_NAME = "PROVENANCE.json"
+MANIFEST_NAME = "sha256-manifest.txt"
+CARD_NAME = "README.md"
+#: Files a mosaic writes itself; the base's own copies describe the base, not the mosaic.
+OWN_FILES = frozenset({RECIPE_NAME, PROVENANCE_NAME, MANIFEST_NAME, CARD_NAME, INDEX_NAME, CONFIG_NAME, QCONFIG_NAME})
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int  # absolute position in the output file
+    source: str  # "base" or a donor id
+    source_file: str  # logical name inside the source folder
+    source_offset: int  # absolute position in the source file
+
+
+@dataclass
+class ShardPlan:
+    name: str
+    tensors: list[PlannedTensor]
+    size: int
+    copy_of: Path | None = None  # untouched: the base file, copied whole
+    layout: ShardLayout | None = None
+
+    @property
+    def untouched(self) -> bool:
+        return self.copy_of is not None
+
+
+@dataclass(frozen=True)
+class CarriedFile:
+    name: str
+    path: Path
+    size: int
+
+
+@dataclass(frozen=True)
+class Rates:
+    exact: Fraction | None
+    base: Fraction | None
+    donors: dict[str, Fraction | None]
+    by_bytes: float | None
+    by_layer_mass: float | None
+
+
+@dataclass
+class BuildPlan:
+    recipe: Recipe
+    sources: dict[str, Analysis]  # "base" first, then donors in recipe order
+    selection: Selection
+    shards: list[ShardPlan]
+    carried: list[CarriedFile]
+    generated: dict[str, bytes]  # name -> exact bytes (index, configs, recipe copy)
+    rates: Rates
+    used_files: dict[str, list[str]] = field(default_factory=dict)  # source id -> logical names read
+
+    @property
+    def shard_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for s in self.shards for t in s.tensors)
+
+    def bytes_to_write(self, link: bool = False) -> int:
+        shards = sum(s.size for s in self.shards if not (link and s.untouched))
+        return shards + sum(f.size for f in self.carried) + sum(len(b) for b in self.generated.values())
+
+
+def _excluded(name: str, globs: tuple[str, ...]) -> bool:
+    base = name.rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase(base, g) for g in globs)
+
+
+def carried_files(base: Analysis, exclude: tuple[str, ...]) -> list[CarriedFile]:
+    """The base's other files that go into the mosaic unchanged."""
+    ck = base.ckpt
+    shard_set = set(ck.shards)
+    out = []
+    for name in ck.files:
+        if name in shard_set or name in OWN_FILES or name.lower() == "readme.md" or _excluded(name, exclude):
+            continue
+        if name.endswith(".safetensors"):
+            continue  # a stray shard: the census reports it, the preflight refuses it
+        p = ck.root / name
+        out.append(CarriedFile(name, p, p.stat().st_size))
+    return out
+
+
+def layer_mass_rate(result: dict[str, Module], selection: Selection, rates: dict[str, Fraction | None], n_layers: int | None) -> float | None:
+    """Equal-layer average: each decoder layer counts at the rate of the source that supplies most of
+    its quantized weights (the seed card's (33 × 2.05 + 12 × 3.05) / 45)."""
+    weights: dict[int, dict[str, int]] = {}
+    for m in result.values():
+        if not is_decoder_linear(m, n_layers):
+            continue
+        trellis = f"{m.key}.trellis"
+        src = selection.donor_of.get(trellis, "base")
+        layer = m.info.layer
+        assert layer is not None
+        w = weights.setdefault(layer, {})
+        w[src] = w.get(src, 0) + m.weights
+    if not weights:
+        return None
+    total = Fraction(0)
+    for per_src in weights.values():
+        src = max(sorted(per_src), key=lambda s: (per_src[s], s == "base"))
+        r = rates.get(src)
+        if r is None:
+            return None
+        total += r
+    return float(total / len(weights))
+
+
+def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection) -> BuildPlan:
+    """Lay out every output file of the mosaic. Raises if the derived metadata would disagree."""
+    base = sources["base"]
+    bck = base.ckpt
+    shards: list[ShardPlan] = []
+    used: dict[str, set[str]] = {sid: set() for sid in sources}
+    for shard in bck.shards:
+        h = bck.headers[shard]
+        used["base"].add(shard)
+        if not any(t.name in selection.donor_of for t in h.tensors):
+            tensors = [
+                PlannedTensor(t.name, t.dtype, t.shape, t.nbytes, h.data_start + t.begin, "base", shard, h.data_start + t.begin)
+                for t in h.tensors
+            ]
+            shards.append(ShardPlan(shard, tensors, h.file_size, copy_of=bck.root / shard))
+            continue
+        outs: list[OutTensor] = []
+        origin: list[tuple[str, str, int]] = []
+        for t in h.tensors:
+            sid = selection.donor_of.get(t.name, "base")
+            ck = sources[sid].ckpt
+            sfile = ck.tensor_file[t.name]
+            st = ck.tensor(t.name)
+            a, _ = ck.headers[sfile].file_range(t.name)
+            used[sid].add(sfile)
+            outs.append(OutTensor(t.name, st.dtype, st.shape, st.nbytes, str(ck.root / sfile), a))
+            origin.append((sid, sfile, a))
+        layout = layout_shard(outs, h.metadata)
+        tensors = [
+            PlannedTensor(o.name, o.dtype, o.shape, o.nbytes, off, sid, sfile, soff)
+            for o, off, (sid, sfile, soff) in zip(outs, layout.offsets, origin)
+        ]
+        shards.append(ShardPlan(shard, tensors, layout.size, layout=layout))
+
+    result = selection.result
+    n_layers = base.num_hidden_layers
+    rate = exact_rate(result.values(), n_layers)
+    src_rates = {sid: a.rate for sid, a in sources.items()}
+    plan_tensors = {t.name: (t.dtype, t.shape, t.nbytes) for s in shards for t in s.tensors}
+    tensor_bytes = sum(v[2] for v in plan_tensors.values())
+    shard_bytes = sum(s.size for s in shards)
+
+    generated: dict[str, bytes] = {RECIPE_NAME: recipe.raw}
+    if bck.index is not None:
+        generated[INDEX_NAME] = metadata.new_index(bck.index, tensor_bytes)
+        used["base"].add(INDEX_NAME)
+    if bck.config is not None:
+        generated[CONFIG_NAME] = metadata.new_config(bck.config, rate)
+        used["base"].add(CONFIG_NAME)
+    if bck.qconfig is not None:
+        storage = bck.qconfig.get("tensor_storage") or {}
+        replaced: dict[str, str] = {}
+        for key, entry in storage.items():
+            for name in (entry or {}).get("stored_tensors") or {}:
+                if name in selection.donor_of:
+                    replaced[key] = selection.donor_of[name]
+        qbytes = metadata.new_qconfig(bck.qconfig, {sid: a.ckpt.qconfig for sid, a in sources.items()}, replaced, rate)
+        bad = metadata.storage_mismatches(qbytes, plan_tensors)
+        if bad:
+            raise SourceError(f"quantization_config.json would disagree with the output headers: {bad[0]}")
+        generated[QCONFIG_NAME] = qbytes
+        used["base"].add(QCONFIG_NAME)
+        for did in set(replaced.values()):
+            used[did].add(QCONFIG_NAME)
+
+    carried = carried_files(base, recipe.exclude)
+    used["base"].update(f.name for f in carried)
+    base_rate = src_rates["base"]
+    by_bytes = float(base_rate) * shard_bytes / bck.shard_bytes if base_rate is not None and bck.shard_bytes else None
+    rates = Rates(
+        exact=rate,
+        base=base_rate,
+        donors={sid: r for sid, r in src_rates.items() if sid != "base"},
+        by_bytes=by_bytes,
+        by_layer_mass=layer_mass_rate(result, selection, src_rates, n_layers),
+    )
+    used_sorted = {sid: sorted(v) for sid, v in used.items()}
+    return BuildPlan(recipe, sources, selection, shards, carried, generated, rates, used_sorted)

@@ -1,0 +1,64 @@
+"""Progress on a terminal (bytes done, rate, time left); silent when not a TTY or with --json."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+Advance = Callable[[int], None]
+
+
+def _noop(_: int) -> None:
+    return None
+
+
+class Reporter:
+    """Hands out byte counters for named steps; does nothing when disabled."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self._p = progress
+
+    def step(self, description: str, total: int) -> Advance:
+        if self._p is None:
+            return _noop
+        task = self._p.add_task(description, total=total)
+        p = self._p
+
+        def advance(n: int) -> None:
+            p.advance(task, n)
+
+        return advance
+
+
+@contextmanager
+def reporter(enabled: bool | None = None) -> Iterator[Reporter]:
+    """A Reporter drawing on stderr when it is a terminal (or when ``enabled`` says so)."""
+    on = sys.stderr.isatty() if enabled is None else enabled
+    if not on:
+        yield Reporter(None)
+        return
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
+    with progress:
+        yield Reporter(progress)
+
+
+SILENT = Reporter(None)

@@ -1,0 +1,266 @@
+"""The recipe: a YAML file turned into typed, validated objects before anything else runs.
+
+Read with a safe loader that also refuses duplicate keys (PyYAML silently keeps the last one) and
+any tag or alias trickery; every error names the recipe field (``replace[1].layers[2]``). Which
+tensors a rule selects is decided later, against the sources (see :mod:`mosaic.plan`); this module
+only knows the recipe's own rules (CONTRACT.md, "Recipe").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .errors import RecipeError
+
+MAX_RECIPE_BYTES = 1 << 20
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_ID_RE = re.compile(r"^[a-z0-9_-]+$")
+_REV_RE = re.compile(r"^[0-9a-f]{40}$")
+_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_RANGE_RE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+_COMPONENT_RE = re.compile(r"^[A-Za-z0-9_*?\[\]!-]+$")
+
+_TOP_FIELDS = {"name", "base", "donors", "replace", "output"}
+_SOURCE_FIELDS = {"path", "repo", "revision"}
+_RULE_FIELDS = {"from", "layers", "modules", "keys"}
+_OUTPUT_FIELDS = {"dir", "exclude"}
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Where a checkpoint comes from: a folder (relative to the recipe) or a pinned hub commit."""
+
+    id: str
+    path: str | None = None
+    repo: str | None = None
+    revision: str | None = None
+
+    def as_record(self) -> dict[str, str]:
+        """How PROVENANCE.json names this source: as the recipe wrote it, never an absolute path."""
+        if self.repo is not None:
+            return {"repo": self.repo, "revision": self.revision or ""}
+        return {"path": self.path or ""}
+
+    def describe(self) -> str:
+        return f"{self.repo}@{self.revision}" if self.repo else str(self.path)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One ``replace`` entry: take these tensors from donor ``donor``."""
+
+    index: int
+    donor: str
+    layers: tuple[int, ...] | None = None
+    modules: tuple[str, ...] | None = None
+    keys: tuple[str, ...] | None = None
+
+    @property
+    def field(self) -> str:
+        return f"replace[{self.index}]"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    base: SourceSpec
+    donors: dict[str, SourceSpec]
+    rules: tuple[Rule, ...]
+    output_dir: str | None
+    exclude: tuple[str, ...]
+    file: Path
+    raw: bytes
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.raw).hexdigest()
+
+    @property
+    def folder(self) -> Path:
+        return self.file.parent
+
+    def output_path(self, cwd: Path | None = None) -> Path:
+        out = Path(self.output_dir) if self.output_dir else Path("out") / self.name
+        return out if out.is_absolute() else (cwd or Path.cwd()) / out
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys and non-string keys."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    out: dict = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, (str, int)) or isinstance(key, bool):
+            raise RecipeError(f"line {key_node.start_mark.line + 1}: mapping key {key!r} is not a string")
+        if key in out:
+            raise RecipeError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}")
+        out[key] = loader.construct_object(value_node, deep=deep)
+    return out
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _fail(path: Path, field: str, msg: str) -> RecipeError:
+    return RecipeError(f"{path}: {field}: {msg}")
+
+
+def _mapping(path: Path, field: str, value: object, allowed: set[str], required: set[str] = frozenset()) -> dict:  # type: ignore[assignment]
+    if not isinstance(value, dict):
+        raise _fail(path, field, f"must be a mapping, got {type(value).__name__}")
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        raise _fail(path, field, f"unknown field(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+    missing = sorted(required - set(value))
+    if missing:
+        raise _fail(path, field, f"missing required field(s) {', '.join(missing)}")
+    return value
+
+
+def _string(path: Path, field: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(path, field, f"must be a non-empty string, got {value!r}")
+    if "\x00" in value:
+        raise _fail(path, field, "contains a NUL character")
+    return value
+
+
+def _string_list(path: Path, field: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value:
+        raise _fail(path, field, "must be a non-empty list")
+    return tuple(_string(path, f"{field}[{i}]", v) for i, v in enumerate(value))
+
+
+def _source(path: Path, field: str, sid: str, value: object) -> SourceSpec:
+    m = _mapping(path, field, value, _SOURCE_FIELDS)
+    if "path" in m:
+        if "repo" in m or "revision" in m:
+            raise _fail(path, field, "give either path, or repo + revision, not both")
+        return SourceSpec(sid, path=_string(path, f"{field}.path", m["path"]))
+    if "repo" not in m:
+        raise _fail(path, field, "needs path, or repo + revision")
+    repo = _string(path, f"{field}.repo", m["repo"])
+    if not _REPO_RE.match(repo):
+        raise _fail(path, f"{field}.repo", f"{repo!r} is not an org/name repository id")
+    rev = m.get("revision")
+    if not isinstance(rev, str) or not _REV_RE.match(rev):
+        raise _fail(
+            path,
+            f"{field}.revision",
+            f"must be a full 40-hex commit hash (branches and tags move), got {rev!r}; "
+            f"pin it, e.g. with: huggingface-cli repo-info {repo}",
+        )
+    return SourceSpec(sid, repo=repo, revision=rev)
+
+
+def _layers(path: Path, field: str, value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise _fail(path, field, "must be a non-empty list of layer numbers and 'a-b' ranges")
+    out: list[int] = []
+    for i, v in enumerate(value):
+        f = f"{field}[{i}]"
+        if isinstance(v, int) and not isinstance(v, bool):
+            if v < 0:
+                raise _fail(path, f, f"layer {v} is negative")
+            out.append(v)
+        elif isinstance(v, str) and (m := _RANGE_RE.match(v)):
+            a, b = int(m.group(1)), int(m.group(2))
+            if a > b:
+                raise _fail(path, f, f"range {v!r} runs backwards")
+            if b - a > 100_000:
+                raise _fail(path, f, f"range {v!r} is implausibly large")
+            out.extend(range(a, b + 1))
+        else:
+            raise _fail(path, f, f"{v!r} is neither a layer number nor an 'a-b' range")
+    dup = sorted({x for x in out if out.count(x) > 1}) if len(out) != len(set(out)) else []
+    if dup:
+        raise _fail(path, field, f"layer(s) {', '.join(map(str, dup))} listed more than once")
+    return tuple(sorted(out))
+
+
+def _modules(path: Path, field: str, value: object) -> tuple[str, ...]:
+    mods = _string_list(path, field, value)
+    for i, m in enumerate(mods):
+        if not all(_COMPONENT_RE.match(c) for c in m.split(".")):
+            raise _fail(path, f"{field}[{i}]", f"{m!r} is not a dotted module path (components, '*' within one)")
+    return mods
+
+
+def _rule(path: Path, index: int, value: object, donors: dict[str, SourceSpec]) -> Rule:
+    field = f"replace[{index}]"
+    m = _mapping(path, field, value, _RULE_FIELDS, {"from"})
+    donor = m["from"]
+    if donor not in donors:
+        raise _fail(path, f"{field}.from", f"unknown donor {donor!r} (donors: {', '.join(sorted(donors))})")
+    has_layers, has_keys = "layers" in m, "keys" in m
+    if has_layers == has_keys:
+        raise _fail(path, field, "needs exactly one of layers or keys")
+    if has_keys:
+        if "modules" in m:
+            raise _fail(path, f"{field}.modules", "modules goes with layers, not keys")
+        return Rule(index, donor, keys=_string_list(path, f"{field}.keys", m["keys"]))
+    layers = _layers(path, f"{field}.layers", m["layers"])
+    modules = _modules(path, f"{field}.modules", m["modules"]) if "modules" in m else None
+    return Rule(index, donor, layers=layers, modules=modules)
+
+
+def parse_recipe(raw: bytes, file: Path) -> Recipe:
+    """Validate recipe bytes; ``file`` locates relative paths and names the recipe in errors."""
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{file}: recipe is larger than {MAX_RECIPE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RecipeError(f"{file}: recipe is not UTF-8") from None
+    try:
+        doc = yaml.load(text, Loader=_StrictLoader)
+    except RecipeError as e:
+        raise RecipeError(f"{file}: {e}") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{file}: not valid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise RecipeError(f"{file}: YAML is nested too deeply") from None
+    top = _mapping(file, "recipe", doc, _TOP_FIELDS, {"name", "base", "donors", "replace"})
+    name = _string(file, "name", top["name"])
+    if not _NAME_RE.match(name) or name in (".", ".."):
+        raise _fail(file, "name", f"{name!r} may hold only letters, digits, '.', '_' and '-'")
+    base = _source(file, "base", "base", top["base"])
+    dmap = top["donors"]
+    if not isinstance(dmap, dict) or not dmap:
+        raise _fail(file, "donors", "must be a non-empty mapping of donor id to source")
+    donors: dict[str, SourceSpec] = {}
+    for did, spec in dmap.items():
+        if not isinstance(did, str) or not _ID_RE.match(did) or did == "base":
+            raise _fail(file, f"donors.{did}", "donor ids are lowercase letters, digits, '_' and '-' (and not 'base')")
+        donors[did] = _source(file, f"donors.{did}", did, spec)
+    rules_raw = top["replace"]
+    if not isinstance(rules_raw, list) or not rules_raw:
+        raise _fail(file, "replace", "must be a non-empty list of rules")
+    rules = tuple(_rule(file, i, r, donors) for i, r in enumerate(rules_raw))
+    out_dir: str | None = None
+    exclude: tuple[str, ...] = ()
+    if "output" in top:
+        o = _mapping(file, "output", top["output"], _OUTPUT_FIELDS)
+        if "dir" in o:
+            out_dir = _string(file, "output.dir", o["dir"])
+        if "exclude" in o:
+            exclude = _string_list(file, "output.exclude", o["exclude"])
+    return Recipe(name, base, donors, rules, out_dir, exclude, file, raw)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as e:
+        raise RecipeError(f"{p}: cannot read recipe: {e.strerror or e}") from None
+    return parse_recipe(raw, p.resolve())
