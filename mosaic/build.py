@@ -167,8 +167,9 @@ def build(
 
     plan = plan_build(recipe)
     sources_resolved = {sid: a.ckpt.root.resolve() for sid, a in plan.sources.items()}
-    if any(out_dir.resolve() == r or out_dir.resolve() in r.parents for r in sources_resolved.values()):
-        raise OutputError(f"{out_dir}: is a source folder or contains one; choose another output")
+    o = out_dir.resolve()
+    if any(o == r or o in r.parents or r in o.parents for r in sources_resolved.values()):
+        raise OutputError(f"{out_dir}: is, contains or lies inside a source folder; choose another output")
     _check_space(plan, parent, link)
 
     tmp = parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-{os.urandom(4).hex()}"

@@ -53,6 +53,13 @@ class Analysis:
     modules: dict[str, Module]
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Several codebooks in one checkpoint: a census problem, but loadable when whole fusion groups
+    #: share one (the build's preflight and the audit check that rule instead).
+    codebook_mix: str | None = None
+
+    @property
+    def all_problems(self) -> list[str]:
+        return self.problems + ([self.codebook_mix] if self.codebook_mix else [])
 
     @property
     def num_hidden_layers(self) -> int | None:
@@ -135,7 +142,7 @@ def analyze(ckpt: Checkpoint) -> Analysis:
     a.problems.extend(expert_group_problems(modules.values()))
     books = a.codebooks()
     if len(books) > 1:
-        a.problems.append("mixed codebooks: " + ", ".join(f"{c} ({n} modules)" for c, n in sorted(books.items())))
+        a.codebook_mix = "mixed codebooks: " + ", ".join(f"{c} ({n} modules)" for c, n in sorted(books.items()))
     a.problems.extend(check_qconfig(ckpt, modules))
     if ckpt.config is not None:
         qc = ckpt.config.get("quantization_config")
@@ -209,6 +216,6 @@ def census_report(a: Analysis) -> dict[str, object]:
             "exact_fraction": f"{rate.numerator}/{rate.denominator}" if rate is not None else None,
             "config": qc.get("bits") if isinstance(qc, dict) else None,
         },
-        "problems": a.problems,
+        "problems": a.all_problems,
         "notes": a.notes,
     }

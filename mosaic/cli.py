@@ -111,3 +111,7 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
         _emit_json(summary)
     else:
         render_build(_console(), summary)
+
+
+if __name__ == "__main__":
+    main()

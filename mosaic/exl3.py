@@ -119,9 +119,12 @@ class Module:
         return "mul1" if "mul1" in self.tensors else "mcg" if "mcg" in self.tensors else None
 
     def structure(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
-        """Suffixes, dtypes and shapes apart from the trellis's last dim: what must match between sources."""
+        """Suffixes, dtypes and shapes apart from the trellis's last dim and the codebook marker: what
+        must match between sources (bits and codebook may differ; fusion rules decide about those)."""
         out = []
         for s, t in sorted(self.tensors.items()):
+            if s in MARKERS:
+                continue
             shape = t.shape[:-1] if s == "trellis" else t.shape
             out.append((s, t.dtype, shape))
         return tuple(out)

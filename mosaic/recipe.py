@@ -144,7 +144,15 @@ def _source(path: Path, field: str, sid: str, value: object) -> SourceSpec:
     if "path" in m:
         if "repo" in m or "revision" in m:
             raise _fail(path, field, "give either path, or repo + revision, not both")
-        return SourceSpec(sid, path=_string(path, f"{field}.path", m["path"]))
+        sp = _string(path, f"{field}.path", m["path"])
+        if sp.startswith(("/", "~", "\\")) or re.match(r"^[A-Za-z]:", sp):
+            raise _fail(
+                path,
+                f"{field}.path",
+                f"{sp!r} is absolute; write it relative to the recipe file (the recipe and PROVENANCE.json "
+                "travel with the mosaic and must not name paths of this machine)",
+            )
+        return SourceSpec(sid, path=sp)
     if "repo" not in m:
         raise _fail(path, field, "needs path, or repo + revision")
     repo = _string(path, f"{field}.repo", m["repo"])

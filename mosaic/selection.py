@@ -133,6 +133,11 @@ def _check_donor_module(rule: Rule, bm: Module, donor: Analysis, recipe: Recipe)
                 f"{where}: {bm.key}: base has {bm.in_features}x{bm.out_features} features, "
                 f"donor {rule.donor!r} has {dm.in_features}x{dm.out_features}"
             )
+        if bm.codebook != dm.codebook:
+            raise SourceError(
+                f"{where}: {bm.key}: codebook {bm.codebook} in the base, {dm.codebook} in donor {rule.donor!r}; "
+                "a mosaic keeps each module's tensor names, so base and donor must share the codebook"
+            )
         if bm.structure() != dm.structure():
             bs = sorted(bm.tensors)
             ds = sorted(dm.tensors)

@@ -69,7 +69,9 @@ class Geometry:
 
 def demo_geometry(**kw: object) -> Geometry:
     """The small MoE model of ``make demo``: a few MB, several shards."""
-    return Geometry(layers=6, dense_layers=1, experts=8, shard_size=2 << 20, **kw)  # type: ignore[arg-type]
+    base: dict[str, object] = dict(layers=6, dense_layers=1, experts=8, shard_size=2 << 20)
+    base.update(kw)
+    return Geometry(**base)  # type: ignore[arg-type]
 
 
 def glm_geometry(**kw: object) -> Geometry:

@@ -1,0 +1,335 @@
+"""mosaic build end to end on synthetic checkpoints: bytes, metadata, rates, determinism, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from safetensors import deserialize
+
+from mosaic.build import PARTIAL_TAG, build
+from mosaic.cli import main
+from mosaic.errors import OutputError, RecipeError, SourceError
+from mosaic.provenance import validation_errors
+from mosaic.testing import Geometry, demo_geometry, write_checkpoint
+
+from .conftest import tree_digest
+
+BASE = demo_geometry(bits=2, seed=1)
+DONOR = demo_geometry(bits=3, head_bits=8, seed=2, style="library", shard_size=1 << 20)
+
+
+def library_tensors(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """Every tensor of a folder, read by the safetensors library (independent of mosaic's reader)."""
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, t in deserialize(f.read_bytes()):
+            assert name not in out
+            out[name] = (t["dtype"], list(t["shape"]), bytes(t["data"]))
+    return out
+
+
+def write_recipe(dir_: Path, doc: dict, name: str = "recipe.yaml") -> Path:
+    p = dir_ / name
+    p.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return p
+
+
+@pytest.fixture
+def sources(ckpt_factory) -> tuple[Path, Path]:
+    return ckpt_factory(BASE), ckpt_factory(DONOR)
+
+
+def rel(p: Path, start: Path) -> str:
+    return os.path.relpath(p, start)
+
+
+def recipe_doc(base: Path, donor: Path, rules: list | None = None, *, at: Path, **extra: object) -> dict:
+    """A recipe document for a recipe file written in folder ``at`` (paths relative to it)."""
+    doc = {
+        "name": "test-mosaic",
+        "base": {"path": rel(base, at)},
+        "donors": {"q3": {"path": rel(donor, at)}},
+        "replace": rules or [{"from": "q3", "layers": [1, "4-5"], "modules": ["mlp.experts"]}],
+    }
+    doc.update(extra)
+    return doc
+
+
+@pytest.fixture
+def unchanged(sources):
+    before = [tree_digest(p) for p in sources]
+    yield
+    assert [tree_digest(p) for p in sources] == before, "a source was modified"
+
+
+def test_end_to_end(sources, tmp_path: Path, unchanged) -> None:
+    base, donor = sources
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, [
+        {"from": "q3", "layers": [1, "4-5"], "modules": ["mlp.experts"]},
+        {"from": "q3", "keys": ["lm_head.*"]},
+    ], at=tmp_path))
+    res = build(recipe, out=tmp_path / "out", jobs=2)
+    out = res.out_dir
+    b, d, o = library_tensors(base), library_tensors(donor), library_tensors(out)
+    assert set(o) == set(b)
+    from_donor = {n for n in o if (".experts." in n and any(f"layers.{layer}." in n for layer in (1, 4, 5))) or n.startswith("lm_head.")}
+    assert len(from_donor) == 3 * 8 * 3 * 4 + 4
+    for n, t in o.items():
+        assert t == (d[n] if n in from_donor else b[n]), n
+    # same shard names, same tensor order as the base
+    base_idx = json.loads((base / "model.safetensors.index.json").read_text())
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    assert idx["weight_map"] == base_idx["weight_map"]
+    assert idx["metadata"]["total_size"] == sum(len(t[2]) for t in o.values())
+    # rates by hand: 3 MoE layers' experts at 3 bits, everything else at 2 (head excluded)
+    h, ei, inter, kv = 256, 128, 512, 128
+    attn, dense, experts, shared = 2 * h * h + 2 * h * kv, 3 * h * inter, 8 * 3 * h * ei, 3 * h * ei
+    weights = 6 * attn + dense + 5 * (experts + shared)
+    exact = Fraction(2 * weights + 3 * experts, weights)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["bits"] == round(float(exact), 2)
+    base_cfg = json.loads((base / "config.json").read_text())
+    base_cfg["quantization_config"]["bits"] = cfg["quantization_config"]["bits"]
+    assert cfg == base_cfg
+    prov = json.loads((out / "PROVENANCE.json").read_text())
+    assert prov["rate"]["exact"] == pytest.approx(float(exact))
+    assert prov["rate"]["by_layer_mass"] == pytest.approx((3 * 3 + 3 * 2) / 6)
+    base_size = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    out_size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert prov["rate"]["by_bytes"] == pytest.approx(2 * out_size / base_size)
+    assert prov["size"]["shards"] == out_size
+    # quantization_config.json: replaced entries from the donor, the rest from the base
+    q, bq, dq = (json.loads((p / "quantization_config.json").read_text()) for p in (out, base, donor))
+    for key, entry in q["tensor_storage"].items():
+        replaced = key.startswith("lm_head") or any(key.startswith(f"model.layers.{layer}.mlp.experts.") for layer in (1, 4, 5))
+        assert entry == (dq if replaced else bq)["tensor_storage"][key], key
+    assert q["bits"] == cfg["quantization_config"]["bits"]
+    assert q["tensor_storage"]["lm_head"]["bits_per_weight"] == 8
+    # carried files byte for byte; provenance valid and complete
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        assert (out / f).read_bytes() == (base / f).read_bytes()
+    assert validation_errors(prov) == []
+    assert {t["name"] for t in prov["tensors"]} == set(o)
+    assert all(t["source"] == ("q3" if t["name"] in from_donor else "base") for t in prov["tensors"])
+    assert (out / "mosaic-recipe.yaml").read_bytes() == recipe.read_bytes()
+    listed = {f["name"] for f in prov["files"]}
+    assert listed == {p.name for p in out.iterdir()} - {"PROVENANCE.json", "sha256-manifest.txt"}
+    assert all(c["ok"] for c in prov["checks"])
+    assert str(tmp_path) not in (out / "PROVENANCE.json").read_text()
+    r = subprocess.run(["sha256sum", "-c", "--quiet", "sha256-manifest.txt"], cwd=out, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    card = (out / "README.md").read_text()
+    assert "| 1 | **q3 3** |" in card or "**q3 3**" in card
+    assert f"{prov['rate']['exact']:.4f}" in card
+
+
+def test_two_builds_identical(sources, tmp_path: Path) -> None:
+    base, donor = sources
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path))
+    a = build(recipe, out=tmp_path / "a", jobs=1).out_dir
+    b = build(recipe, out=tmp_path / "b", jobs=3).out_dir
+    assert tree_digest(a) == tree_digest(b)
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_untouched_shards_copied_or_linked(ckpt_factory, tmp_path: Path, link: bool) -> None:
+    base = ckpt_factory(BASE.with_(shard_size=1 << 20))
+    donor = ckpt_factory(DONOR)
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "layers": [5], "modules": ["mlp.experts"]}], at=tmp_path))
+    res = build(recipe, out=tmp_path / "o", link=link)
+    untouched = [s for s in res.plan.shards if s.untouched]
+    assert untouched
+    for s in untouched:
+        out_file = res.out_dir / s.name
+        assert out_file.read_bytes() == (base / s.name).read_bytes()
+        assert (os.stat(out_file).st_ino == os.stat(base / s.name).st_ino) == link
+        assert res.splice.methods[s.name] == ("link" if link else "kernel")
+
+
+def test_exl3_style_donor_and_different_layouts(ckpt_factory, tmp_path: Path) -> None:
+    base = ckpt_factory(BASE.with_(style="library", shard_size=3 << 20))
+    donor = ckpt_factory(DONOR.with_(style="exl3", shard_size=512 << 10))
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path))
+    out = build(recipe, out=tmp_path / "o").out_dir
+    o, d = library_tensors(out), library_tensors(donor)
+    assert o["model.layers.4.mlp.experts.7.down_proj.trellis"] == d["model.layers.4.mlp.experts.7.down_proj.trellis"]
+
+
+def test_prefix_and_mtp_layers(ckpt_factory, tmp_path: Path) -> None:
+    g = Geometry(layers=3, dense_layers=1, mtp_layers=1, experts=4, prefix="model.language_model.layers", vision_blocks=1)
+    base = ckpt_factory(g.with_(seed=5))
+    donor = ckpt_factory(g.with_(seed=6, bits=4))
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "layers": [3], "modules": ["mlp.experts"]}], at=tmp_path))
+    out = build(recipe, out=tmp_path / "o").out_dir
+    prov = json.loads((out / "PROVENANCE.json").read_text())
+    # the MTP layer is not a decoder layer: the rate stays the base's
+    assert prov["rate"]["exact"] == pytest.approx(2.0)
+    assert sum(t["source"] == "q3" for t in prov["tensors"]) == 4 * 3 * 4
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mutate", "needle"),
+    [
+        (lambda d: d.update(extra=1), "unknown field(s) extra"),
+        (lambda d: d.pop("name"), "missing required field(s) name"),
+        (lambda d: d.update(name="a b"), "name"),
+        (lambda d: d["replace"][0].update(layers=[99]), "replace[0].layers: layer 99 is not in the base"),
+        (lambda d: d["replace"][0].update(layers=["5-3"]), "replace[0].layers[0]"),
+        (lambda d: d["replace"][0].update(layers=[1, 1]), "listed more than once"),
+        (lambda d: d["replace"][0].update(modules=["mlp.nothing"]), "replace[0].modules"),
+        (lambda d: d["replace"][0].update({"from": "nope"}), "replace[0].from: unknown donor"),
+        (lambda d: d["replace"][0].update(keys=["x"]), "exactly one of layers or keys"),
+        (lambda d: d.update(replace=[{"from": "q3", "keys": ["nothing.*"]}]), "replace[0].keys[0]"),
+        (lambda d: d.update(replace=[{"from": "q3", "keys": ["*.experts.0.up_proj.trellis"]}]), "part of EXL3 module"),
+        (lambda d: d.update(replace=[]), "replace: must be a non-empty list"),
+        (lambda d: d["replace"].append({"from": "q3", "layers": [4]}), "already selected by replace[0]"),
+        (lambda d: d["donors"].update(q9={"path": "x"}), "q9"),
+        (lambda d: d["donors"].update(Bad={"path": "x"}), "donors.Bad"),
+        (lambda d: d.update(base={"repo": "org/name", "revision": "main"}), "base.revision: must be a full 40-hex"),
+        (lambda d: d.update(base={"path": "x", "repo": "org/name"}), "either path, or repo"),
+        (lambda d: d.update(output={"dir": "x", "junk": 1}), "output: unknown field(s) junk"),
+        (lambda d: d.update(replace=[{"from": "q3", "layers": [2], "modules": ["mlp.experts.0"]}]), "routed experts would mix"),
+    ],
+)
+def test_recipe_errors(sources, tmp_path: Path, mutate, needle: str) -> None:
+    base, donor = sources
+    doc = recipe_doc(base, donor, at=tmp_path)
+    mutate(doc)
+    recipe = write_recipe(tmp_path, doc)
+    r = CliRunner().invoke(main, ["build", str(recipe), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("mosaic: error:") and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "name: x\nname: y\n",
+        "!!python/object:os.system {}\n",
+        "a: &a [1, 2]\nb: *a\n",
+        "{{{{",
+        "name: [\n",
+        "\xff\xfe",
+    ],
+)
+def test_hostile_yaml_is_a_clean_error(tmp_path: Path, text: str) -> None:
+    p = tmp_path / "r.yaml"
+    p.write_bytes(text.encode("latin-1"))
+    r = CliRunner().invoke(main, ["build", str(p)])
+    assert r.exit_code == 2 and r.stderr.startswith("mosaic: error:") and "Traceback" not in r.output
+
+
+def test_source_errors(sources, ckpt_factory, tmp_path: Path, copy_of) -> None:
+    base, donor = sources
+    # same config.json as the base, but experts of another size: caught per module, not by config
+    odd = copy_of(ckpt_factory(DONOR.with_(expert_intermediate=256)), "odd")
+    (odd / "config.json").write_bytes((donor / "config.json").read_bytes())
+    cases = {
+        "missing": (recipe_doc(base, tmp_path / "nowhere", at=tmp_path), "is not a folder"),
+        "hub": (recipe_doc(base, donor, at=tmp_path, donors={"q3": {"repo": "org/absent", "revision": "0" * 40}}), "not in the local Hugging Face cache"),
+        "arch": (recipe_doc(base, ckpt_factory(DONOR.with_(hidden=384)), at=tmp_path), "different model"),
+        "codebook": (recipe_doc(base, ckpt_factory(DONOR.with_(codebook="mcg")), at=tmp_path), "codebook mul1 in the base, mcg in donor"),
+        "structure": (recipe_doc(base, odd, at=tmp_path), "features"),
+        "mixed-donor": (recipe_doc(base, ckpt_factory(DONOR.with_(expert_bits={(4, 1): 4})), at=tmp_path), "cannot fuse"),
+    }
+    for label, (doc, needle) in cases.items():
+        recipe = write_recipe(tmp_path, doc, f"{label}.yaml")
+        r = CliRunner().invoke(main, ["build", str(recipe), "--out", str(tmp_path / label)])
+        assert r.exit_code == 2 and needle in r.stderr, (label, r.stderr)
+        assert not (tmp_path / label).exists()
+
+
+def test_codebook_change_refused(ckpt_factory, tmp_path: Path) -> None:
+    base = ckpt_factory(BASE)
+    donor = ckpt_factory(DONOR.with_(group_codebooks={"attention": "mcg"}))
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "keys": ["model.layers.2.self_attn.k_proj.*"]}], at=tmp_path))
+    r = CliRunner().invoke(main, ["build", str(recipe), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2, r.output
+    assert "model.layers.2.self_attn.k_proj: codebook mul1 in the base, mcg in donor" in r.stderr
+
+
+def test_existing_output_and_force(sources, tmp_path: Path) -> None:
+    base, donor = sources
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path))
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep").write_text("precious")
+    with pytest.raises(OutputError, match="already exists"):
+        build(recipe, out=out)
+    assert (out / "keep").read_text() == "precious"
+    bad = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "layers": [77]}], at=tmp_path), "bad.yaml")
+    with pytest.raises(RecipeError):
+        build(bad, out=out, force=True)
+    assert (out / "keep").read_text() == "precious"  # a failed --force build keeps the old output
+    build(recipe, out=out, force=True)
+    assert not (out / "keep").exists() and (out / "PROVENANCE.json").exists()
+    assert not [p for p in tmp_path.iterdir() if PARTIAL_TAG in p.name]
+
+
+def test_output_inside_source_refused(sources, tmp_path: Path) -> None:
+    base, donor = sources
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path))
+    with pytest.raises(OutputError):
+        build(recipe, out=base / "inside")
+
+
+def test_not_enough_space(sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil as sh
+
+    base, donor = sources
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path))
+    monkeypatch.setattr(sh, "disk_usage", lambda p: sh._ntuple_diskusage(10**9, 10**9 - 1000, 1000))  # type: ignore[attr-defined]
+    r = CliRunner().invoke(main, ["build", str(recipe), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "bytes free" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_sigkill_midway_leaves_no_output_and_rerun_succeeds(tmp_path: Path) -> None:
+    base = write_checkpoint(tmp_path / "base", demo_geometry(experts=64, shard_size=16 << 20, seed=11))
+    donor = write_checkpoint(tmp_path / "donor", demo_geometry(experts=64, bits=4, shard_size=16 << 20, seed=12))
+    before = [tree_digest(base), tree_digest(donor)]
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "layers": [1, 2, 3, 4, 5], "modules": ["mlp.experts"]}], at=tmp_path))
+    out = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, "-m", "mosaic.cli", "build", str(recipe), "--out", str(out), "--jobs", "1"])
+    deadline = time.time() + 60
+    while time.time() < deadline and not [p for p in tmp_path.iterdir() if PARTIAL_TAG in p.name]:
+        time.sleep(0.005)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    build(recipe, out=out)
+    assert not [p for p in tmp_path.iterdir() if PARTIAL_TAG in p.name]
+    assert [tree_digest(base), tree_digest(donor)] == before
+    assert json.loads((out / "PROVENANCE.json").read_text())["checks"]
+
+
+def test_json_output(sources, tmp_path: Path) -> None:
+    base, donor = sources
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path))
+    r = CliRunner().invoke(main, ["build", str(recipe), "--out", str(tmp_path / "o"), "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["tensors"] > 0 and all(c["ok"] for c in doc["checks"])
+
+
+def test_source_error_types(sources, tmp_path: Path) -> None:
+    base, donor = sources
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path, donors={"q3": {"path": rel(donor, tmp_path)}, "q4": {"path": rel(donor, tmp_path)}}))
+    with pytest.raises(SourceError, match="used by no replace rule"):
+        build(recipe, out=tmp_path / "o")
