@@ -24,13 +24,14 @@ from .census import Analysis, analyze
 from .checkpoint import open_checkpoint
 from .errors import OutputError, SourceError
 from .hashing import sha256_bytes
-from .plan import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, BuildPlan, make_plan
+from .plan import BuildPlan, make_plan
 from .progress import SILENT, Reporter
-from .provenance import build_provenance, checked_dumps, manifest
+from .provenance import build_provenance, checked_dumps
 from .recipe import Recipe, load_recipe
+from .records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, FileRecord, manifest
 from .selection import select
 from .sources import resolve_source
-from .splice import FileRecord, SpliceResult, splice
+from .splice import SpliceResult, splice
 
 PARTIAL_TAG = ".mosaic-partial-"
 #: Room kept free beyond the planned bytes (filesystem metadata, the provenance files).

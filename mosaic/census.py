@@ -20,6 +20,7 @@ from .exl3 import (
     assign_codebooks,
     exact_rate,
     expert_group_problems,
+    fusion_problems,
     group_modules,
     marker_names,
     module_problems,
@@ -140,6 +141,10 @@ def analyze(ckpt: Checkpoint) -> Analysis:
     for m in modules.values():
         a.problems.extend(module_problems(m))
     a.problems.extend(expert_group_problems(modules.values()))
+    a.problems.extend(
+        f"{m.key} ({m.codebook}) and {o.key} ({o.codebook}) are fused by exllamav3 but use different codebooks"
+        for m, o in fusion_problems(modules)
+    )
     books = a.codebooks()
     if len(books) > 1:
         a.codebook_mix = "mixed codebooks: " + ", ".join(f"{c} ({n} modules)" for c, n in sorted(books.items()))

@@ -113,5 +113,47 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
         render_build(_console(), summary)
 
 
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option(
+    "--sources",
+    "sources",
+    is_flag=False,
+    flag_value="-",
+    default=None,
+    metavar="[RECIPE]",
+    help="Also compare every tensor with its source, resolved from RECIPE (the recipe file the build used) "
+    "or, without RECIPE, from mosaic-recipe.yaml with paths relative to the current directory.",
+)
+@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files read at once (default: number of cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+@_guarded
+def audit(directory: Path, sources: str | None, jobs: int | None, as_json: bool) -> None:
+    """Verify a built mosaic from its files alone (or every mosaic below DIRECTORY).
+
+    Exit 0 when every check passes, 1 when any fails, 2 when DIRECTORY is not a mosaic.
+    """
+    from .audit import NotAMosaic, audit_report_json, find_mosaics
+    from .audit import audit as run_audit
+    from .progress import reporter
+    from .report import render_audit
+
+    folders = find_mosaics(directory) if directory.is_dir() else []
+    if not folders:
+        raise NotAMosaic(f"{directory}: no mosaic here (no PROVENANCE.json in it or below it)")
+    src: bool | str = False if sources is None else (True if sources == "-" else sources)
+    reports = []
+    with reporter(False if as_json else None) as progress:
+        for f in folders:
+            reports.append(run_audit(f, sources=src, jobs=jobs, progress=progress))
+    doc = audit_report_json(reports)
+    if as_json:
+        _emit_json(doc)
+    else:
+        render_audit(_console(), doc)
+    sys.exit(0 if doc["ok"] else 1)
+
+
 if __name__ == "__main__":
     main()

@@ -217,6 +217,24 @@ def expert_group_problems(mods: Iterable[Module]) -> list[str]:
     return out
 
 
+#: Sibling modules exllamav3 may fuse at load; they must share a codebook.
+FUSION_PAIRS = (("k_proj", "v_proj"), ("q_proj", "g_proj"), ("gate_proj", "up_proj"))
+
+
+def fusion_problems(mods: Mapping[str, Module]) -> list[tuple[Module, Module]]:
+    """Pairs of sibling EXL3 modules that exllamav3 may fuse but that use different codebooks."""
+    out = []
+    for m in mods.values():
+        if not m.is_exl3:
+            continue
+        parent, _, leaf = m.key.rpartition(".")
+        for a, b in FUSION_PAIRS:
+            other = mods.get(f"{parent}.{b}") if leaf == a else None
+            if other is not None and other.is_exl3 and other.codebook != m.codebook:
+                out.append((m, other))
+    return out
+
+
 def is_decoder_linear(m: Module, num_hidden_layers: int | None) -> bool:
     """Counted in the trellis rate: EXL3 linears of decoder layers (head, MTP and vision excluded)."""
     if not m.is_exl3 or m.info.layer is None:

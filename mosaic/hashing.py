@@ -12,12 +12,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 CHUNK_SIZE = 8 << 20
 RING = 3
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -119,3 +122,12 @@ def digest_file(
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def parallel_map(fn: Callable[[T], R], items: Iterable[T], jobs: int) -> list[R]:
+    """Map over items on ``jobs`` threads (file I/O and hashlib release the GIL); errors propagate."""
+    items = list(items)
+    if jobs <= 1 or len(items) <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="mosaic-io") as ex:
+        return list(ex.map(fn, items))

@@ -20,13 +20,10 @@ from .checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
 from .errors import SourceError
 from .exl3 import Module, exact_rate, is_decoder_linear
 from .recipe import Recipe
+from .records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME
 from .safetensors_writer import OutTensor, ShardLayout, layout_shard
 from .selection import Selection
 
-RECIPE_NAME = "mosaic-recipe.yaml"
-PROVENANCE_NAME = "PROVENANCE.json"
-MANIFEST_NAME = "sha256-manifest.txt"
-CARD_NAME = "README.md"
 #: Files a mosaic writes itself; the base's own copies describe the base, not the mosaic.
 OWN_FILES = frozenset({RECIPE_NAME, PROVENANCE_NAME, MANIFEST_NAME, CARD_NAME, INDEX_NAME, CONFIG_NAME, QCONFIG_NAME})
 

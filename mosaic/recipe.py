@@ -8,6 +8,7 @@ only knows the recipe's own rules (CONTRACT.md, "Recipe").
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import re
 from dataclasses import dataclass
@@ -63,6 +64,22 @@ class Rule:
     @property
     def field(self) -> str:
         return f"replace[{self.index}]"
+
+    def selects_module(self, layer: int | None, path: str) -> bool:
+        """Does this layer rule take the module at ``path`` (inside layer ``layer``)?"""
+        if self.layers is None or layer is None or layer not in self.layers:
+            return False
+        return self.modules is None or any(component_match(path, p) for p in self.modules)
+
+    def selects_key(self, name: str) -> bool:
+        """Does this key rule take the tensor ``name``?"""
+        return self.keys is not None and any(fnmatch.fnmatchcase(name, g) for g in self.keys)
+
+
+def component_match(path: str, pattern: str) -> bool:
+    """Module patterns match whole dotted components of the path's start; ``*`` stays in one component."""
+    parts, pats = path.split("."), pattern.split(".")
+    return len(parts) >= len(pats) and all(fnmatch.fnmatchcase(c, p) for c, p in zip(parts, pats))
 
 
 @dataclass(frozen=True)

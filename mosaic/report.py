@@ -90,3 +90,31 @@ def render_build(console: Console, s: dict) -> None:
     for c in s["checks"]:
         t.add_row(c["name"], "[green]✓[/green]" if c["ok"] else "[red]✗[/red]", c["detail"])
     console.print(t)
+
+
+def render_audit(console: Console, doc: dict) -> None:
+    for m in doc["mosaics"]:
+        c = m["counts"]
+        console.print(
+            f"[bold]{m['path']}[/bold]: {c.get('files', 0)} files, {c.get('shards', 0)} shards, "
+            f"{c.get('tensors', 0):,} tensors, {c.get('bytes', 0):,} bytes read once"
+        )
+        t = Table(show_edge=False)
+        t.add_column("check")
+        t.add_column("result")
+        t.add_column("first failures")
+        for ch in m["checks"]:
+            fails = ch["failures"]
+            shown = "; ".join(
+                " ".join(x for x in (f.get("file") or "", f"[{f['tensor']}]" if f.get("tensor") else "", f["detail"]) if x)
+                for f in fails[:3]
+            )
+            if len(fails) > 3:
+                shown += f" (+{len(fails) - 3} more)"
+            t.add_row(ch["name"], "[green]pass[/green]" if ch["ok"] else f"[red]FAIL ({len(fails)})[/red]", shown)
+        console.print(t)
+    n_fail = sum(1 for m in doc["mosaics"] if not m["ok"])
+    if n_fail:
+        console.print(f"[red bold]audit failed[/red bold]: {n_fail} of {len(doc['mosaics'])} mosaic(s) have problems")
+    else:
+        console.print(f"[green bold]audit passed[/green bold]: {len(doc['mosaics'])} mosaic(s), every check")

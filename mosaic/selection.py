@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .census import Analysis
 from .checkpoint import text_config
 from .errors import RecipeError, SourceError
-from .exl3 import Module, expert_groups
+from .exl3 import Module, expert_groups, fusion_problems
 from .recipe import Recipe, Rule
 
 #: config.json fields that must agree between base and donor (when both have them).
@@ -38,8 +38,6 @@ ARCH_FIELDS = (
     "num_nextn_predict_layers",
 )
 
-#: Sibling modules exllamav3 may fuse at load; they must share a codebook.
-FUSION_PAIRS = (("k_proj", "v_proj"), ("q_proj", "g_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass
@@ -53,11 +51,6 @@ class Selection:
 
     def layers_of_rule(self, idx: int) -> list[int]:
         return sorted({m.info.layer for k in self.modules_of_rule.get(idx, []) if (m := self.result[k]).info.layer is not None})
-
-
-def _component_match(path: str, pattern: str) -> bool:
-    parts, pats = path.split("."), pattern.split(".")
-    return len(parts) >= len(pats) and all(fnmatch.fnmatchcase(c, p) for c, p in zip(parts, pats))
 
 
 def _rule_modules(rule: Rule, base: Analysis, recipe: Recipe) -> dict[str, set[str]]:
@@ -78,7 +71,7 @@ def _rule_modules(rule: Rule, base: Analysis, recipe: Recipe) -> dict[str, set[s
             if layer not in by_layer:
                 span = f"{have[0]}-{have[-1]}" if have else "none"
                 raise RecipeError(f"{where}.layers: layer {layer} is not in the base (its layers: {span})")
-            hits = [m.key for m in by_layer[layer] if rule.modules is None or any(_component_match(m.info.path, p) for p in rule.modules)]
+            hits = [m.key for m in by_layer[layer] if rule.selects_module(m.info.layer, m.info.path)]
             if not hits:
                 raise RecipeError(f"{where}.modules: {list(rule.modules or [])} match nothing in layer {layer}")
             for k in hits:
@@ -88,7 +81,7 @@ def _rule_modules(rule: Rule, base: Analysis, recipe: Recipe) -> dict[str, set[s
     names = base.ckpt.tensor_names()
     picked: dict[str, set[str]] = {}
     for i, glob in enumerate(rule.keys):
-        hits = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+        hits = [n for n in names if fnmatch.fnmatchcase(n, glob)]  # per glob, to name the one that misses
         if not hits:
             raise RecipeError(f"{where}.keys[{i}]: {glob!r} matches no tensor of the base")
         for n in hits:
@@ -169,19 +162,12 @@ def _check_loadable(sel: Selection, rules: dict[str, int], recipe: Recipe) -> No
                 f"{who}: layer {layer} {proj}: routed experts would mix {desc}; exllamav3 fuses them, "
                 "so replace all experts of this layer and projection together"
             )
-    for m in sel.result.values():
-        if not m.is_exl3:
-            continue
-        parent, _, leaf = m.key.rpartition(".")
-        for a, b in FUSION_PAIRS:
-            if leaf == a:
-                other = sel.result.get(f"{parent}.{b}")
-                if other is not None and other.is_exl3 and other.codebook != m.codebook:
-                    idx = rules.get(m.key, rules.get(other.key))
-                    raise RecipeError(
-                        f"{recipe.file}: replace[{idx}]: {m.key} ({m.codebook}) and {other.key} ({other.codebook}) "
-                        "are fused by exllamav3 and must share a codebook"
-                    )
+    for m, other in fusion_problems(sel.result):
+        idx = rules.get(m.key, rules.get(other.key))
+        raise RecipeError(
+            f"{recipe.file}: replace[{idx}]: {m.key} ({m.codebook}) and {other.key} ({other.codebook}) "
+            "are fused by exllamav3 and must share a codebook"
+        )
 
 
 def select(recipe: Recipe, base: Analysis, donors: dict[str, Analysis]) -> Selection:

@@ -18,27 +18,16 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 from .errors import VerificationError
-from .hashing import digest_file
+from .hashing import digest_file, parallel_map
 from .plan import BuildPlan, ShardPlan
 from .progress import SILENT, Reporter
+from .records import FileRecord
 from .safetensors_writer import CHUNK_SIZE, copy_range, write_shard
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-@dataclass
-class FileRecord:
-    name: str
-    size: int
-    sha256: str
 
 
 @dataclass
@@ -66,15 +55,6 @@ class SpliceResult:
     tensors: dict[str, str]  # output tensor name -> digest of its written bytes
     methods: dict[str, str]  # shard name -> how it was written
     checks: list[Check]
-
-
-def parallel(fn: Callable[[T], R], items: Iterable[T], jobs: int) -> list[R]:
-    """Map over items on ``jobs`` threads (file I/O and hashlib release the GIL); errors propagate."""
-    items = list(items)
-    if jobs <= 1 or len(items) <= 1:
-        return [fn(i) for i in items]
-    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="mosaic-io") as ex:
-        return list(ex.map(fn, items))
 
 
 def _copy_whole(src: Path, dst: Path) -> str:
@@ -115,7 +95,7 @@ def digest_sources(plan: BuildPlan, jobs: int, progress: Reporter = SILENT) -> d
         return sid, name, SourceFile(FileRecord(name, d.size, d.sha256), dict(zip(names, d.ranges)))
 
     out: dict[str, dict[str, SourceFile]] = {sid: {} for sid in plan.used_files}
-    for sid, name, sf in parallel(one, work, jobs):
+    for sid, name, sf in parallel_map(one, work, jobs):
         out[sid][name] = sf
     return out
 
@@ -179,7 +159,7 @@ def splice(
             methods[shard.name] = m
         return _verify_shard(shard, dst, sources, adv_verify)
 
-    results = parallel(write_one, plan.shards, jobs)
+    results = parallel_map(write_one, plan.shards, jobs)
     files: dict[str, FileRecord] = {}
     tensors: dict[str, str] = {}
     problems: list[str] = []

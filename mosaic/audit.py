@@ -1,0 +1,450 @@
+"""``mosaic audit``: prove what a mosaic's PROVENANCE.json claims, from the files alone.
+
+The audit shares the strict format readers, the EXL3 rules and the recipe's selection semantics with
+the builder, but never its plan: it re-derives everything from the folder. Every byte is read once
+(files in parallel): one pass gives each file's digest (for the manifest and PROVENANCE ``files``)
+and each tensor's digest (for PROVENANCE ``tensors``). Each failure names its check, the file and,
+where there is one, the tensor. With ``sources``, every tensor is also compared with the tensor of
+the source it claims to come from.
+
+This module must not import :mod:`mosaic.plan`, :mod:`mosaic.selection` or :mod:`mosaic.build`.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .card import extract_block, render_block
+from .census import analyze
+from .checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, check_relative_name, load_json, open_checkpoint
+from .errors import CheckpointError, FormatError, MosaicError, RecipeError, SafetensorsError
+from .exl3 import parse_key
+from .hashing import digest_file, parallel_map
+from .progress import SILENT, Reporter
+from .recipe import Recipe, parse_recipe
+from .records import (
+    CARD_NAME,
+    MANIFEST_NAME,
+    PROVENANCE_NAME,
+    RECIPE_NAME,
+    SCHEMA_ID,
+    parse_manifest,
+    validation_errors,
+)
+from .safetensors_reader import ShardHeader, read_header
+
+CHECKS = (
+    "folder",
+    "manifest",
+    "safetensors",
+    "index",
+    "provenance",
+    "tensors",
+    "configs",
+    "exl3_loadable",
+    "recipe",
+    "card",
+    "sources",
+)
+
+
+@dataclass
+class Failure:
+    check: str
+    detail: str
+    file: str | None = None
+    tensor: str | None = None
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"check": self.check, "file": self.file, "tensor": self.tensor, "detail": self.detail}
+
+
+@dataclass
+class AuditReport:
+    path: Path
+    ran: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def fail(self, check: str, detail: str, file: str | None = None, tensor: str | None = None) -> None:
+        self.failures.append(Failure(check, detail, file, tensor))
+
+    def as_dict(self) -> dict[str, object]:
+        by_check: dict[str, list[dict]] = defaultdict(list)
+        for f in self.failures:
+            by_check[f.check].append(f.as_dict())
+        return {
+            "path": str(self.path),
+            "ok": self.ok,
+            "counts": self.counts,
+            "checks": [{"name": c, "ok": not by_check.get(c), "failures": by_check.get(c, [])} for c in self.ran],
+        }
+
+
+class NotAMosaic(MosaicError):
+    """The folder holds no PROVENANCE.json: exit 2."""
+
+
+def _walk(root: Path, rep: AuditReport) -> list[str]:
+    """Every regular file below ``root`` as a relative name; links and odd files are failures."""
+    names: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        d = Path(dirpath)
+        for entry in sorted(dirnames + filenames):
+            p = d / entry
+            rel = p.relative_to(root).as_posix()
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                rep.fail("folder", "symbolic link in a mosaic folder (mosaic never writes one)", file=rel)
+                if entry in dirnames:
+                    dirnames.remove(entry)
+            elif stat.S_ISREG(st.st_mode):
+                names.append(rel)
+            elif not stat.S_ISDIR(st.st_mode):
+                rep.fail("folder", "not a regular file", file=rel)
+    return sorted(names)
+
+
+def _expected_source(recipe: Recipe, name: str) -> tuple[str, int | None]:
+    """Which source the recipe's rules give a tensor (the base when no rule takes it)."""
+    key, _, _ = name.rpartition(".")
+    info = parse_key(key)
+    for rule in recipe.rules:
+        if rule.selects_key(name) or rule.selects_module(info.layer, info.path):
+            return rule.donor, rule.index
+    return "base", None
+
+
+def audit(
+    folder: str | Path,
+    *,
+    sources: bool | str | Path = False,
+    jobs: int | None = None,
+    progress: Reporter = SILENT,
+) -> AuditReport:
+    """Audit one mosaic folder. ``sources``: True to resolve sources from ``mosaic-recipe.yaml``
+    (paths relative to the current directory), or the recipe file the build used."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise NotAMosaic(f"{root}: not a folder")
+    if not (root / PROVENANCE_NAME).is_file() and not (root / PROVENANCE_NAME).is_symlink():
+        raise NotAMosaic(f"{root}: no {PROVENANCE_NAME}; not a mosaic folder")
+    rep = AuditReport(root)
+    jobs = jobs or os.cpu_count() or 1
+    rep.ran.append("folder")
+    files = _walk(root, rep)
+    fileset = set(files)
+
+    # --- manifest ------------------------------------------------------------------------------
+    rep.ran.append("manifest")
+    manifest: dict[str, str] = {}
+    if MANIFEST_NAME not in fileset:
+        rep.fail("manifest", "missing", file=MANIFEST_NAME)
+    else:
+        try:
+            manifest = parse_manifest((root / MANIFEST_NAME).read_bytes(), MANIFEST_NAME)
+        except ValueError as e:
+            rep.fail("manifest", str(e), file=MANIFEST_NAME)
+        for name in list(manifest):
+            try:
+                check_relative_name(name, "name", MANIFEST_NAME)
+            except CheckpointError as e:
+                rep.fail("manifest", str(e), file=MANIFEST_NAME)
+                del manifest[name]
+        for name in files:
+            if name != MANIFEST_NAME and name not in manifest:
+                rep.fail("manifest", "file in the folder is not listed in the manifest", file=name)
+        for name in manifest:
+            if name not in fileset:
+                rep.fail("manifest", "listed in the manifest but missing from the folder", file=name)
+
+    # --- headers of every shard (exllamav3 loads every *.safetensors in the folder) --------------
+    rep.ran.append("safetensors")
+    headers: dict[str, ShardHeader] = {}
+    for name in files:
+        if name.endswith(".safetensors") and "/" not in name:
+            try:
+                headers[name] = read_header(root / name)
+            except SafetensorsError as e:
+                rep.fail("safetensors", f"{e.rule}: {e}", file=name, tensor=e.key)
+    where_tensor: dict[str, str] = {}
+    for name, h in headers.items():
+        for t in h.tensors:
+            if t.name in where_tensor:
+                rep.fail("safetensors", f"tensor also in {where_tensor[t.name]}", file=name, tensor=t.name)
+            else:
+                where_tensor[t.name] = name
+    rep.counts["shards"] = len(headers)
+    rep.counts["tensors"] = len(where_tensor)
+
+    # --- one read of every byte: file digests and tensor digests --------------------------------
+    total = sum((root / n).stat().st_size for n in files)
+    advance = progress.step(f"auditing {root.name}", total)
+
+    def one(name: str) -> tuple[str, int, str, dict[str, str]]:
+        h = headers.get(name)
+        ts = [t.name for t in h.tensors] if h else []
+        d = digest_file(root / name, [h.file_range(t) for t in ts] if h else [], on_bytes=advance)
+        return name, d.size, d.sha256, dict(zip(ts, d.ranges))
+
+    actual: dict[str, tuple[int, str]] = {}
+    tensor_digest: dict[str, str] = {}
+    for name, size, sha, tds in parallel_map(one, files, jobs):
+        actual[name] = (size, sha)
+        for t, dg in tds.items():
+            if where_tensor.get(t) == name:
+                tensor_digest[t] = dg
+    rep.counts["files"] = len(files)
+    rep.counts["bytes"] = total
+    for name, want in manifest.items():
+        if name in actual and actual[name][1] != want:
+            rep.fail("manifest", "SHA-256 differs from the manifest", file=name)
+
+    # --- index ↔ headers -----------------------------------------------------------------------
+    rep.ran.append("index")
+    if INDEX_NAME in fileset:
+        try:
+            idx = load_json(root / INDEX_NAME, "index")
+            wm = idx.get("weight_map") if isinstance(idx, dict) else None
+            if not isinstance(wm, dict):
+                raise FormatError(f"{INDEX_NAME}: no weight_map object")
+            for key, shard in wm.items():
+                if where_tensor.get(key) != shard:
+                    rep.fail("index", f"maps to {shard!r} but it is in {where_tensor.get(key)!r}", file=INDEX_NAME, tensor=key)
+            for key, shard in where_tensor.items():
+                if key not in wm:
+                    rep.fail("index", "tensor in a shard is missing from weight_map", file=shard, tensor=key)
+            total_size = (idx.get("metadata") or {}).get("total_size")
+            tensor_bytes = sum(h.data_size for h in headers.values())
+            if total_size != tensor_bytes:
+                rep.fail("index", f"metadata.total_size is {total_size}, the shards hold {tensor_bytes} tensor bytes", file=INDEX_NAME)
+        except (FormatError, AttributeError) as e:
+            rep.fail("index", str(e), file=INDEX_NAME)
+    elif len(headers) > 1:
+        rep.fail("index", "several shards but no index", file=INDEX_NAME)
+
+    # --- PROVENANCE.json ------------------------------------------------------------------------
+    rep.ran.append("provenance")
+    rep.ran.append("tensors")
+    doc: dict | None = None
+    try:
+        loaded = load_json(root / PROVENANCE_NAME, "provenance")
+        errors = validation_errors(loaded)
+        for e in errors[:20]:
+            rep.fail("provenance", f"schema: {e}", file=PROVENANCE_NAME)
+        if not errors and isinstance(loaded, dict):
+            doc = loaded
+    except FormatError as e:
+        rep.fail("provenance", str(e), file=PROVENANCE_NAME)
+    if doc is not None:
+        listed = {}
+        for f in doc["files"]:
+            if f["name"] in listed:
+                rep.fail("provenance", "listed twice in files", file=f["name"])
+            listed[f["name"]] = f
+        for name in files:
+            if name in (PROVENANCE_NAME, MANIFEST_NAME):
+                continue
+            f = listed.get(name)
+            if f is None:
+                rep.fail("provenance", "file in the folder is not in PROVENANCE.json files", file=name)
+            elif (f["size"], f["sha256"]) != actual[name]:
+                rep.fail("provenance", "size or SHA-256 differs from PROVENANCE.json files", file=name)
+        for name in listed:
+            if name not in fileset:
+                rep.fail("provenance", "in PROVENANCE.json files but missing from the folder", file=name)
+        seen: set[str] = set()
+        for t in doc["tensors"]:
+            n = t["name"]
+            if n in seen:
+                rep.fail("tensors", "listed twice in PROVENANCE.json", file=t["file"], tensor=n)
+                continue
+            seen.add(n)
+            shard = where_tensor.get(n)
+            if shard is None:
+                rep.fail("tensors", "in PROVENANCE.json but in no shard", file=t["file"], tensor=n)
+                continue
+            info = headers[shard][n]
+            if (t["file"], t["dtype"], tuple(t["shape"]), t["nbytes"]) != (shard, info.dtype, info.shape, info.nbytes):
+                rep.fail("tensors", "file, dtype, shape or nbytes differ from the header", file=shard, tensor=n)
+            if tensor_digest.get(n) != t["sha256"]:
+                rep.fail("tensors", "bytes do not match the SHA-256 in PROVENANCE.json", file=shard, tensor=n)
+        for n, shard in where_tensor.items():
+            if n not in seen:
+                rep.fail("tensors", "tensor in a shard is not in PROVENANCE.json", file=shard, tensor=n)
+        if doc["schema"] != SCHEMA_ID:
+            rep.fail("provenance", f"schema {doc['schema']!r}", file=PROVENANCE_NAME)
+        failed_checks = [c["name"] for c in doc["checks"] if not c["ok"]]
+        if failed_checks:
+            rep.fail("provenance", f"the build recorded failed checks: {', '.join(failed_checks)}", file=PROVENANCE_NAME)
+
+    # --- configs and EXL3 loadability (only when the shards themselves are readable) ------------
+    rep.ran.append("configs")
+    rep.ran.append("exl3_loadable")
+    analysis = None
+    if not any(f.check == "safetensors" for f in rep.failures):
+        try:
+            analysis = analyze(open_checkpoint(root))
+        except (MosaicError, OSError) as e:
+            rep.fail("configs", str(e))
+    if analysis is not None:
+        for p in analysis.problems:
+            check = "configs" if p.startswith(("quantization_config.json", "config.json")) else "index" if p.startswith(("index", "shard file")) else "exl3_loadable"
+            if check == "index" and any(f.check == "index" for f in rep.failures):
+                continue  # already reported, with the tensor named
+            rep.fail(check, p)
+        rate = analysis.rate
+        cfg = analysis.ckpt.config or {}
+        qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+        if rate is not None and isinstance(qc, dict) and qc.get("bits") != round(float(rate), 2):
+            rep.fail("configs", f"quantization_config.bits is {qc.get('bits')}, the headers give {float(rate):.4f}", file=CONFIG_NAME)
+        q = analysis.ckpt.qconfig
+        if rate is not None and isinstance(q, dict) and q.get("bits") != round(float(rate), 2):
+            rep.fail("configs", f"bits is {q.get('bits')}, the headers give {float(rate):.4f}", file=QCONFIG_NAME)
+        if doc is not None and rate is not None and doc["rate"]["exact"] is not None and abs(doc["rate"]["exact"] - float(rate)) > 5e-7:
+            rep.fail("provenance", f"rate.exact is {doc['rate']['exact']}, the headers give {float(rate):.6f}", file=PROVENANCE_NAME)
+        if doc is not None and doc["size"]["shards"] != sum(h.file_size for h in headers.values()):
+            rep.fail("provenance", "size.shards differs from the shards' total size", file=PROVENANCE_NAME)
+
+    # --- recipe ↔ where each tensor came from ---------------------------------------------------
+    rep.ran.append("recipe")
+    recipe: Recipe | None = None
+    if RECIPE_NAME not in fileset:
+        rep.fail("recipe", "missing", file=RECIPE_NAME)
+    else:
+        raw = (root / RECIPE_NAME).read_bytes()
+        try:
+            recipe = parse_recipe(raw, root / RECIPE_NAME)
+        except RecipeError as e:
+            rep.fail("recipe", str(e), file=RECIPE_NAME)
+        if doc is not None and recipe is not None:
+            if recipe.sha256 != doc["recipe"]["sha256"]:
+                rep.fail("recipe", "SHA-256 differs from PROVENANCE.json recipe.sha256", file=RECIPE_NAME)
+            if recipe.name != doc["name"]:
+                rep.fail("recipe", f"name {recipe.name!r} but PROVENANCE.json says {doc['name']!r}", file=RECIPE_NAME)
+            ids = {"base", *recipe.donors}
+            if set(doc["sources"]) != ids:
+                rep.fail("recipe", f"sources {sorted(doc['sources'])} but the recipe names {sorted(ids)}", file=PROVENANCE_NAME)
+            for sid, spec in {"base": recipe.base, **recipe.donors}.items():
+                s = doc["sources"].get(sid)
+                if s is not None and {k: s.get(k) for k in ("path", "repo", "revision") if k in s} != spec.as_record():
+                    rep.fail("recipe", f"source {sid!r} is recorded as {s}, the recipe says {spec.as_record()}", file=PROVENANCE_NAME)
+            for t in doc["tensors"]:
+                want, _ = _expected_source(recipe, t["name"])
+                if t["source"] != want:
+                    rep.fail("recipe", f"source is {t['source']!r} but the recipe gives it to {want!r}", file=t["file"], tensor=t["name"])
+
+    # --- the model card's numbers ↔ PROVENANCE.json ----------------------------------------------
+    rep.ran.append("card")
+    if CARD_NAME not in fileset:
+        rep.fail("card", "missing", file=CARD_NAME)
+    elif doc is not None:
+        try:
+            block = extract_block((root / CARD_NAME).read_text("utf-8"))
+        except UnicodeDecodeError:
+            block = None
+        if block is None:
+            rep.fail("card", "no generated block (mosaic markers) in the model card", file=CARD_NAME)
+        elif block != render_block(doc):
+            rep.fail("card", "the card's generated block does not match PROVENANCE.json", file=CARD_NAME)
+
+    if sources:
+        rep.ran.append("sources")
+        _audit_sources(rep, root, doc, recipe, sources, tensor_digest, where_tensor, jobs, progress)
+    return rep
+
+
+def _audit_sources(
+    rep: AuditReport,
+    root: Path,
+    doc: dict | None,
+    recipe: Recipe | None,
+    sources: bool | str | Path,
+    tensor_digest: dict[str, str],
+    where_tensor: dict[str, str],
+    jobs: int,
+    progress: Reporter,
+) -> None:
+    """Compare every output tensor with the tensor of the source it claims (true equality)."""
+    from .recipe import load_recipe
+    from .sources import resolve_source
+
+    if sources is not True:
+        try:
+            given = load_recipe(sources)  # type: ignore[arg-type]
+        except RecipeError as e:
+            rep.fail("sources", str(e))
+            return
+        if recipe is not None and given.raw != recipe.raw:
+            rep.fail("sources", f"{sources} differs from the mosaic's {RECIPE_NAME}")
+            return
+        recipe, base_dir = given, given.folder
+    else:
+        base_dir = Path.cwd()
+    if recipe is None or doc is None:
+        rep.fail("sources", "no valid recipe and provenance to resolve sources from")
+        return
+    folders: dict[str, Path] = {}
+    for sid, spec in {"base": recipe.base, **recipe.donors}.items():
+        try:
+            folders[sid] = resolve_source(spec, base_dir)
+        except MosaicError as e:
+            rep.fail("sources", str(e))
+    if len(folders) != 1 + len(recipe.donors):
+        return
+    ckpts = {}
+    for sid, folder in folders.items():
+        try:
+            ckpts[sid] = open_checkpoint(folder)
+        except MosaicError as e:
+            rep.fail("sources", str(e))
+            return
+    wanted: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for t in doc["tensors"]:
+        sid = t["source"]
+        ck = ckpts.get(sid)
+        if ck is None or t["name"] not in ck.tensor_file:
+            rep.fail("sources", f"source {sid!r} has no such tensor", file=t["file"], tensor=t["name"])
+            continue
+        wanted[(sid, ck.tensor_file[t["name"]])].append(t["name"])
+    total = sum(ckpts[s].tensor(n).nbytes for (s, _), ns in wanted.items() for n in ns)
+    advance = progress.step("reading sources", total)
+
+    def one(item: tuple[tuple[str, str], list[str]]) -> list[tuple[str, str]]:
+        (sid, shard), names = item
+        ck = ckpts[sid]
+        h = ck.headers[shard]
+        d = digest_file(ck.root / shard, [h.file_range(n) for n in names], on_bytes=advance)
+        return list(zip(names, d.ranges))
+
+    for pairs in parallel_map(one, list(wanted.items()), jobs):
+        for n, dg in pairs:
+            if tensor_digest.get(n) != dg:
+                rep.fail("sources", "bytes differ from the source tensor", file=where_tensor.get(n), tensor=n)
+    rep.counts["source_tensors"] = sum(len(v) for v in wanted.values())
+
+
+def find_mosaics(folder: str | Path) -> list[Path]:
+    """The folder itself if it is a mosaic, else every folder below it holding a PROVENANCE.json."""
+    root = Path(folder)
+    if (root / PROVENANCE_NAME).exists():
+        return [root]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        if PROVENANCE_NAME in filenames:
+            found.append(Path(dirpath))
+            dirnames[:] = []
+    return found
+
+
+def audit_report_json(reports: list[AuditReport]) -> dict[str, object]:
+    return {"ok": all(r.ok for r in reports), "mosaics": [r.as_dict() for r in reports]}
