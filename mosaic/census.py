@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import cached_property
 
 from .checkpoint import Checkpoint, read_small_tensors
 from .exl3 import (
@@ -66,7 +67,7 @@ class Analysis:
     def num_hidden_layers(self) -> int | None:
         return self.ckpt.num_hidden_layers
 
-    @property
+    @cached_property
     def rate(self) -> Fraction | None:
         return exact_rate(self.modules.values(), self.num_hidden_layers)
 

@@ -76,8 +76,7 @@ def bits_from_trellis(shape: tuple[int, ...]) -> float | None:
     """Bits per weight of a trellis tensor, or None when the shape is not an EXL3 trellis."""
     if len(shape) != 3 or shape[-1] % 8:
         return None
-    b = Fraction(shape[-1], 16)
-    return int(b) if b.denominator == 1 else float(b)
+    return shape[-1] // 16 if shape[-1] % 16 == 0 else shape[-1] / 16  # exact: a multiple of 1/2
 
 
 @dataclass
@@ -98,6 +97,12 @@ class Module:
     def bits(self) -> float | None:
         t = self.tensors.get("trellis")
         return bits_from_trellis(t.shape) if t else None
+
+    @property
+    def bits16(self) -> int | None:
+        """16 × bits: the trellis's last dimension, an exact integer."""
+        t = self.tensors.get("trellis")
+        return t.shape[-1] if t is not None and len(t.shape) == 3 else None
 
     @property
     def in_features(self) -> int | None:
@@ -244,10 +249,11 @@ def is_decoder_linear(m: Module, num_hidden_layers: int | None) -> bool:
 
 def exact_rate(mods: Iterable[Module], num_hidden_layers: int | None) -> Fraction | None:
     """Σ bits × weights / Σ weights over the decoder's EXL3 linears, as an exact fraction."""
-    num = Fraction(0)
-    den = 0
+    num = den = 0
     for m in mods:
-        if is_decoder_linear(m, num_hidden_layers) and m.bits is not None:
-            num += Fraction(m.bits) * m.weights
-            den += m.weights
-    return num / den if den else None
+        b16 = m.bits16
+        if b16 is not None and is_decoder_linear(m, num_hidden_layers):
+            w = m.weights
+            num += b16 * w
+            den += w
+    return Fraction(num, 16 * den) if den else None

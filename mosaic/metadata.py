@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Mapping
 from fractions import Fraction
 
@@ -25,16 +26,33 @@ def exl3_bits(rate: Fraction) -> float:
     return round(float(rate), 2)
 
 
-def new_index(base_index: dict, total_size: int) -> bytes:
-    """The base's index with ``metadata.total_size`` set to the output's tensor bytes."""
-    idx = copy.deepcopy(base_index)
-    meta = idx.get("metadata")
-    if not isinstance(meta, dict):
-        meta = {}
+def _same(data: bytes, expected: object) -> bool:
+    try:
+        return json.loads(data) == expected
+    except ValueError:
+        return False
+
+
+_TOTAL_RE = re.compile(rb'"total_size":\s*\d+')
+
+
+def new_index(base_text: bytes, base_index: dict, total_size: int) -> bytes:
+    """The base's index with ``metadata.total_size`` set to the output's tensor bytes.
+
+    The number is replaced in the base's own text, so the file is otherwise byte-identical; if the
+    text does not have the expected shape, the document is written anew (same content)."""
+    expected = dict(base_index)
+    meta = dict(expected["metadata"]) if isinstance(expected.get("metadata"), dict) else {}
     meta["total_size"] = total_size
-    out = {"metadata": meta}
-    out.update({k: v for k, v in idx.items() if k != "metadata"})
-    return dumps(out)
+    expected["metadata"] = meta
+    if "metadata" not in base_index:
+        expected = {"metadata": meta, **{k: v for k, v in base_index.items() if k != "metadata"}}
+    m = _TOTAL_RE.search(base_text)
+    if m is not None:
+        patched = base_text[: m.start()] + b'"total_size": ' + str(total_size).encode() + base_text[m.end() :]
+        if _same(patched, expected):
+            return patched
+    return dumps(expected)
 
 
 def new_config(base_config: dict, rate: Fraction | None) -> bytes:
@@ -46,22 +64,32 @@ def new_config(base_config: dict, rate: Fraction | None) -> bytes:
     return dumps(cfg)
 
 
-def new_qconfig(
-    base_q: dict,
-    donor_q: Mapping[str, dict | None],
-    replaced: Mapping[str, str],
-    rate: Fraction | None,
-) -> bytes:
-    """The base's quantization_config.json with replaced modules' entries taken from their donors.
+# In exllamav3's layout (indent=4) every tensor_storage entry opens on a line of its own at 8 spaces
+# and closes at the first later line that is 8 spaces and "}".
+_ENTRY_RE = re.compile(rb'^        ("(?:[^"\\\n]|\\.)*"): \{$', re.M)
+_BITS_RE = re.compile(rb'^    "bits": [^,\n]*', re.M)
 
-    ``replaced`` maps a tensor_storage key to the donor id that now supplies its tensors.
-    """
-    q = copy.deepcopy(base_q)
+
+def _entry_spans(text: bytes) -> dict[str, tuple[int, int]]:
+    spans: dict[str, tuple[int, int]] = {}
+    for m in _ENTRY_RE.finditer(text):
+        end = text.find(b"\n        }", m.end())
+        if end < 0:
+            break
+        spans[json.loads(m.group(1))] = (m.start(), end + len(b"\n        }"))
+    return spans
+
+
+def expected_qconfig(base_q: dict, donor_q: Mapping[str, dict | None], replaced: Mapping[str, str], rate: Fraction | None) -> dict:
+    """What the mosaic's quantization_config.json must say: the base's, with replaced modules'
+    tensor_storage entries taken from their donors and ``bits`` set to the mosaic's rate."""
+    q = dict(base_q)
     if rate is not None and "bits" in q:
         q["bits"] = exl3_bits(rate)
     storage = q.get("tensor_storage")
     if not isinstance(storage, dict):
-        return dumps(q)
+        return q
+    storage = dict(storage)
     for key, did in replaced.items():
         dq = donor_q.get(did)
         dstore = dq.get("tensor_storage") if isinstance(dq, dict) else None
@@ -70,13 +98,51 @@ def new_qconfig(
                 f"donor {did!r}: quantization_config.json has no tensor_storage entry for {key}, "
                 "so the mosaic's entry cannot be taken from it"
             )
-        storage[key] = copy.deepcopy(dstore[key])
-    return dumps(q)
+        storage[key] = dstore[key]
+    q["tensor_storage"] = storage
+    return q
 
 
-def storage_mismatches(q_bytes: bytes, tensors: Mapping[str, tuple[str, tuple[int, ...], int]]) -> list[str]:
-    """Entries of a quantization_config.json that disagree with (dtype, shape, nbytes) of the headers."""
-    q = json.loads(q_bytes)
+def new_qconfig(base_text: bytes, donor_texts: Mapping[str, bytes], expected: dict, replaced: Mapping[str, str]) -> bytes:
+    """The bytes of the mosaic's quantization_config.json.
+
+    Replaced entries are spliced in as the donor's own text and ``bits`` is patched in the base's
+    text, so that everything else stays byte-identical (and 48 MB are not re-serialized); the result
+    must parse to ``expected``, else the document is written anew."""
+    base_spans = _entry_spans(base_text)
+    donor_spans = {did: _entry_spans(t) for did, t in donor_texts.items() if did in set(replaced.values())}
+    pieces: list[tuple[int, int, bytes]] = []
+    ok = True
+    for key, did in replaced.items():
+        b = base_spans.get(key)
+        d = donor_spans.get(did, {}).get(key)
+        if b is None or d is None:
+            ok = False
+            break
+        pieces.append((b[0], b[1], donor_texts[did][d[0] : d[1]]))
+    bits = expected.get("bits")
+    m = _BITS_RE.search(base_text) if "bits" in expected else None
+    if ok and ("bits" not in expected or m is not None):
+        if m is not None:
+            pieces.append((m.start(), m.end(), b'    "bits": ' + json.dumps(bits).encode()))
+        pieces.sort()
+        out = bytearray()
+        pos = 0
+        for a, e, repl in pieces:
+            if a < pos:
+                ok = False
+                break
+            out += base_text[pos:a]
+            out += repl
+            pos = e
+        out += base_text[pos:]
+        if ok and _same(bytes(out), expected):
+            return bytes(out)
+    return dumps(expected)
+
+
+def storage_mismatches(q: dict, tensors: Mapping[str, tuple[str, tuple[int, ...], int]]) -> list[str]:
+    """Entries of a quantization_config document that disagree with (dtype, shape, nbytes) of the headers."""
     out = []
     for key, entry in (q.get("tensor_storage") or {}).items():
         for name, st in (entry.get("stored_tensors") or {}).items():

@@ -182,7 +182,7 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
 
     generated: dict[str, bytes] = {RECIPE_NAME: recipe.raw}
     if bck.index is not None:
-        generated[INDEX_NAME] = metadata.new_index(bck.index, tensor_bytes)
+        generated[INDEX_NAME] = metadata.new_index((bck.root / INDEX_NAME).read_bytes(), bck.index, tensor_bytes)
         used["base"].add(INDEX_NAME)
     if bck.config is not None:
         generated[CONFIG_NAME] = metadata.new_config(bck.config, rate)
@@ -194,11 +194,13 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
             for name in (entry or {}).get("stored_tensors") or {}:
                 if name in selection.donor_of:
                     replaced[key] = selection.donor_of[name]
-        qbytes = metadata.new_qconfig(bck.qconfig, {sid: a.ckpt.qconfig for sid, a in sources.items()}, replaced, rate)
-        bad = metadata.storage_mismatches(qbytes, plan_tensors)
+        expected = metadata.expected_qconfig(bck.qconfig, {sid: a.ckpt.qconfig for sid, a in sources.items()}, replaced, rate)
+        bad = metadata.storage_mismatches(expected, plan_tensors)
         if bad:
             raise SourceError(f"quantization_config.json would disagree with the output headers: {bad[0]}")
-        generated[QCONFIG_NAME] = qbytes
+        donors_used = set(replaced.values())
+        texts = {sid: (a.ckpt.root / QCONFIG_NAME).read_bytes() for sid, a in sources.items() if sid in donors_used}
+        generated[QCONFIG_NAME] = metadata.new_qconfig((bck.root / QCONFIG_NAME).read_bytes(), texts, expected, replaced)
         used["base"].add(QCONFIG_NAME)
         for did in set(replaced.values()):
             used[did].add(QCONFIG_NAME)

@@ -1,0 +1,246 @@
+"""mosaic's benchmark suite: mosaic against the plain baselines on the same data, in one run, as ratios.
+
+    python bench/run.py [--cases census,bytes,metadata,memory] [--runs 3] [--size-gb 2] [--no-write]
+
+Synthetic data is generated once and cached outside the repository (``$MOSAIC_BENCH_DIR``, default
+``~/.cache/mosaic-bench``). Each case runs every contender ``--runs`` times, interleaved, and reports
+medians; ratios compare contenders measured side by side. Results go to stdout and, unless
+``--no-write``, to ``bench/RESULTS.md`` with the machine they ran on. Timings of shared machines are
+noisy: read the ratios, not the seconds.
+
+The original release's packer can be run as a contender of the *metadata* case when its script is
+given with ``MOSAIC_BENCH_PACK2=/path/to/mosaic_pack2.py`` (it is not part of this repository).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mosaic.testing import Geometry, glm_geometry, write_checkpoint  # noqa: E402
+
+DATA = Path(os.environ.get("MOSAIC_BENCH_DIR", Path.home() / ".cache" / "mosaic-bench"))
+MOSAIC = [sys.executable, "-m", "mosaic.cli"]
+ROWS: list[tuple[str, str, str, str]] = []  # case, contender, median, ratio
+
+
+def sh(cmd: list[str] | str, **kw: object) -> None:
+    subprocess.run(cmd, check=True, shell=isinstance(cmd, str), stdout=subprocess.DEVNULL, **kw)  # type: ignore[call-overload]
+
+
+def drop(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+
+
+def timed(fn: Callable[[], None], before: Callable[[], None] | None = None) -> float:
+    if before:
+        before()
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def race(case: str, contenders: dict[str, tuple[Callable[[], None], Callable[[], None] | None]], runs: int, ref: str) -> dict[str, float]:
+    """Run contenders interleaved ``runs`` times; record medians and ratios to ``ref``."""
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(runs):
+        for name, (fn, before) in contenders.items():
+            times[name].append(timed(fn, before))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name in contenders:
+        ROWS.append((case, name, f"{med[name]:.2f} s", f"{med[name] / med[ref]:.2f} × {ref}" if name != ref else "1.00"))
+    return med
+
+
+def dataset(name: str, g: Geometry) -> Path:
+    p = DATA / name
+    if not (p / "config.json").exists():
+        drop(p)
+        print(f"generating {p} ...", file=sys.stderr)
+        write_checkpoint(p, g)
+    return p
+
+
+def recipe_for(base: Path, donor: Path, layers: str, name: str) -> Path:
+    r = DATA / f"{name}.yaml"
+    r.write_text(
+        f"name: {name}\nbase:\n  path: {os.path.relpath(base, DATA)}\ndonors:\n  q3:\n    path: {os.path.relpath(donor, DATA)}\n"
+        f"replace:\n  - from: q3\n    layers: [{layers}]\n    modules: [mlp.experts]\n"
+    )
+    return r
+
+
+def peak_rss_mib(cmd: list[str]) -> float:
+    """Peak resident memory of a command (a fresh process, so the maximum is its own)."""
+    code = (
+        "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, *cmd], check=True, capture_output=True, text=True).stdout
+    return int(out.strip().splitlines()[-1]) / 1024
+
+
+def hashlib_pass(folder: Path) -> None:
+    for p in sorted(folder.iterdir()):
+        h = hashlib.sha256()
+        with open(p, "rb", buffering=0) as f:
+            buf = bytearray(8 << 20)
+            while n := f.readinto(buf):
+                h.update(memoryview(buf)[:n])
+
+
+def bytes_geometry(size_gb: float, bits: float, seed: int) -> Geometry:
+    # 12 MoE layers of 64 experts with 1024x512 projections: ~0.2 GB per layer at 2 bits
+    layers = 12
+    g = Geometry(layers=layers, dense_layers=0, experts=64, hidden=1024, kv_dim=256, expert_intermediate=512,
+                 vocab=4096, bits=bits, seed=seed, shard_size=int(1.5e9))
+    per_layer_2bit = 64 * 3 * 1024 * 512 * 2 / 8
+    scale = max(1, round(size_gb * 1e9 / (per_layer_2bit * layers)))
+    return g.with_(experts=64 * scale)
+
+
+def case_bytes(runs: int, size_gb: float) -> None:
+    base = dataset(f"bytes-{size_gb}g-base", bytes_geometry(size_gb, 2, 1))
+    donor = dataset(f"bytes-{size_gb}g-donor", bytes_geometry(size_gb, 3, 2))
+    recipe = recipe_for(base, donor, "2, 5, 9", f"bytes-{size_gb}g")
+    out, cp_out = DATA / "out-bytes", DATA / "out-cp"
+    size = sum(p.stat().st_size for p in base.iterdir())
+    print(f"bytes: base {size / 1e9:.2f} GB", file=sys.stderr)
+    med = race(
+        f"bytes: build ({size / 1e9:.1f} GB base)",
+        {
+            "mosaic build": (lambda: sh([*MOSAIC, "build", str(recipe), "--out", str(out)]), lambda: drop(out)),
+            "cp -r + sha256sum": (lambda: sh(f"cp -r '{base}' '{cp_out}' && sha256sum '{cp_out}'/*"), lambda: drop(cp_out)),
+            "cp -r": (lambda: sh(["cp", "-r", str(base), str(cp_out)]), lambda: drop(cp_out)),
+        },
+        runs,
+        "cp -r + sha256sum",
+    )
+    ROWS.append(("bytes: build", "mosaic / cp -r", f"{med['mosaic build'] / med['cp -r']:.2f}", "target ≤ 2"))
+    drop(cp_out)
+    race(
+        "bytes: audit",
+        {
+            "mosaic audit": (lambda: sh([*MOSAIC, "audit", str(out)]), None),
+            "sha256sum": (lambda: sh(f"sha256sum '{out}'/*"), None),
+            "python hashlib, 1 thread": (lambda: hashlib_pass(out), None),
+        },
+        runs,
+        "python hashlib, 1 thread",
+    )
+
+
+def case_metadata(runs: int) -> None:
+    base = dataset("glm-base", glm_geometry(seed=1))
+    donor = dataset("glm-donor", glm_geometry(seed=2, bits=3))
+    recipe = recipe_for(base, donor, '3, 32, 33, "36-44"', "glm-spark")
+    out, cp_out = DATA / "out-glm", DATA / "out-glm-cp"
+    contenders: dict[str, tuple[Callable[[], None], Callable[[], None] | None]] = {
+        "mosaic build": (lambda: sh([*MOSAIC, "build", str(recipe), "--out", str(out)]), lambda: drop(out)),
+        "cp -r": (lambda: sh(["cp", "-r", str(base), str(cp_out)]), lambda: drop(cp_out)),
+    }
+    pack2 = os.environ.get("MOSAIC_BENCH_PACK2")
+    ref = "cp -r"
+    if pack2:
+        contenders["original pipeline (cp -a, pack2, sha256sum)"] = (
+            lambda: sh(f"cp -a '{base}' '{cp_out}' && {sys.executable} '{pack2}' '{base}' '{donor}' '{cp_out}' && sha256sum '{cp_out}'/*"),
+            lambda: drop(cp_out),
+        )
+        ref = "original pipeline (cp -a, pack2, sha256sum)"
+    race("metadata: GLM geometry build (150k tensors)", contenders, runs, ref)
+    drop(cp_out)
+    race(
+        "metadata: GLM geometry audit",
+        {"mosaic audit": (lambda: sh([*MOSAIC, "audit", str(out)]), None), "sha256sum": (lambda: sh(f"sha256sum '{out}'/*"), None)},
+        runs,
+        "sha256sum",
+    )
+    t = timed(lambda: sh([*MOSAIC, "census", str(base), "--json"]))
+    from mosaic.checkpoint import open_checkpoint
+
+    n = len(open_checkpoint(base).tensor_file)
+    ROWS.append(("census: GLM geometry", "mosaic census --json", f"{t:.2f} s", f"{n / t:,.0f} tensors/s"))
+
+
+def case_census(runs: int) -> None:
+    base = dataset("glm-base", glm_geometry(seed=1))
+    from mosaic.checkpoint import open_checkpoint
+
+    n = len(open_checkpoint(base).tensor_file)
+    med = race("census: GLM geometry", {"mosaic census --json": (lambda: sh([*MOSAIC, "census", str(base), "--json"]), None)}, runs, "mosaic census --json")
+    ROWS.append(("census: GLM geometry", "throughput", f"{n:,} tensors", f"{n / med['mosaic census --json']:,.0f} tensors/s"))
+
+
+def case_memory(small_gb: float, large_gb: float) -> None:
+    for label, gb in (("small", small_gb), ("large", large_gb)):
+        base = dataset(f"bytes-{gb}g-base", bytes_geometry(gb, 2, 1))
+        donor = dataset(f"bytes-{gb}g-donor", bytes_geometry(gb, 3, 2))
+        recipe = recipe_for(base, donor, "2, 5, 9", f"bytes-{gb}g")
+        out = DATA / f"out-mem-{label}"
+        drop(out)
+        b = peak_rss_mib([*MOSAIC, "build", str(recipe), "--out", str(out)])
+        a = peak_rss_mib([*MOSAIC, "audit", str(out)])
+        size = sum(p.stat().st_size for p in base.iterdir()) / 1e9
+        ROWS.append((f"memory: {label} ({size:.1f} GB base)", "peak RSS build / audit", f"{b:.0f} / {a:.0f} MiB", ""))
+        drop(out)
+    glm_base = dataset("glm-base", glm_geometry(seed=1))
+    glm_donor = dataset("glm-donor", glm_geometry(seed=2, bits=3))
+    recipe = recipe_for(glm_base, glm_donor, '3, 32, 33, "36-44"', "glm-spark")
+    out = DATA / "out-mem-glm"
+    drop(out)
+    b = peak_rss_mib([*MOSAIC, "build", str(recipe), "--out", str(out)])
+    a = peak_rss_mib([*MOSAIC, "audit", str(out)])
+    ROWS.append(("memory: GLM geometry (150k tensors)", "peak RSS build / audit", f"{b:.0f} / {a:.0f} MiB", "target < 400"))
+    drop(out)
+
+
+def machine() -> str:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    disk = shutil.disk_usage(DATA)
+    return f"{platform.machine()}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {disk.total / 1e9:.0f} GB disk ({disk.free / 1e9:.0f} GB free), Python {platform.python_version()}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="census,bytes,metadata,memory")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--memory-gb", default="1,8", help="two base sizes for the memory case")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    DATA.mkdir(parents=True, exist_ok=True)
+    os.chdir(ROOT)
+    cases = args.cases.split(",")
+    if "census" in cases:
+        case_census(args.runs)
+    if "bytes" in cases:
+        case_bytes(args.runs, args.size_gb)
+    if "metadata" in cases:
+        case_metadata(args.runs)
+    if "memory" in cases:
+        small, large = (float(x) for x in args.memory_gb.split(","))
+        case_memory(small, large)
+    lines = [f"machine: {machine()}", f"runs per contender: {args.runs} (medians)", "", "| case | contender | median | ratio |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in ROWS]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.no_write:
+        (ROOT / "bench" / "RESULTS.md").write_text("# Benchmark results\n\nProduced by `make bench` (`bench/run.py`).\n\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
