@@ -16,7 +16,6 @@ import os
 import struct
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 
 from .errors import FormatError
 
