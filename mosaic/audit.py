@@ -135,6 +135,10 @@ def audit(
     root = Path(folder)
     if not root.is_dir():
         raise NotAMosaic(f"{root}: not a folder")
+    from .gguf_audit import audit_gguf, is_gguf_folder  # a GGUF export has its own audit
+
+    if is_gguf_folder(root):
+        return audit_gguf(root, sources=sources, jobs=jobs, progress=progress)
     if not (root / PROVENANCE_NAME).is_file() and not (root / PROVENANCE_NAME).is_symlink():
         raise NotAMosaic(f"{root}: no {PROVENANCE_NAME}; not a mosaic folder")
     rep = AuditReport(root)
@@ -433,14 +437,16 @@ def _audit_sources(
 
 
 def find_mosaics(folder: str | Path) -> list[Path]:
-    """The folder itself if it is a mosaic, else every folder below it holding a PROVENANCE.json."""
+    """The folder itself if it is a mosaic (or a GGUF export), else every such folder below it."""
+    from .gguf_audit import is_gguf_folder
+
     root = Path(folder)
-    if (root / PROVENANCE_NAME).exists():
+    if (root / PROVENANCE_NAME).exists() or is_gguf_folder(root):
         return [root]
     found = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        if PROVENANCE_NAME in filenames:
+        if PROVENANCE_NAME in filenames or is_gguf_folder(dirpath):
             found.append(Path(dirpath))
             dirnames[:] = []
     return found

@@ -141,7 +141,7 @@ def audit(directory: Path, sources: str | None, jobs: int | None, as_json: bool)
 
     folders = find_mosaics(directory) if directory.is_dir() else []
     if not folders:
-        raise NotAMosaic(f"{directory}: no mosaic here (no PROVENANCE.json in it or below it)")
+        raise NotAMosaic(f"{directory}: no mosaic here (no PROVENANCE.json, nor manifest.json with .gguf files, in it or below it)")
     src: bool | str = False if sources is None else (True if sources == "-" else sources)
     reports = []
     with reporter(False if as_json else None) as progress:
@@ -153,6 +153,46 @@ def audit(directory: Path, sources: str | None, jobs: int | None, as_json: bool)
     else:
         render_audit(_console(), doc)
     sys.exit(0 if doc["ok"] else 1)
+
+
+@main.group()
+def export() -> None:
+    """Repackage a mosaic (or any EXL3 checkpoint) for another runtime."""
+
+
+@export.command("gguf")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="New output folder.")
+@click.option("--split-max-size", default="50G", show_default=True,
+              help="Largest tensor bytes per shard: bytes, or K/M/G = 10^3/10^6/10^9 (as llama-gguf-split counts).")
+@click.option("--no-tensor-first-split/--tensor-first-split", default=True, show_default=True,
+              help="Keep the first shard metadata-only.")
+@click.option("--name", default=None, help="File name stem (default: the source folder's name).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
+@_guarded
+def export_gguf_cmd(directory: Path, out: Path, split_max_size: str, no_tensor_first_split: bool,
+                    name: str | None, as_json: bool) -> None:
+    """Repackage DIRECTORY for ranma.cpp: EXL3 tensors bit for bit in GGUF shards, with manifest.json."""
+    from .gguf_export import export_gguf, export_summary, parse_size
+    from .progress import reporter
+
+    size = parse_size(split_max_size)
+    with reporter(False if as_json else None) as progress:
+        res = export_gguf(directory, out, split_max_size=size, no_tensor_first_split=no_tensor_first_split,
+                          name=name, progress=progress)
+    summary = export_summary(res)
+    if as_json:
+        _emit_json(summary)
+        return
+    con = _console()
+    con.print(f"[bold]{summary['output']}[/bold]: {summary['architecture']}, {summary['tensors']} tensors "
+              f"({summary['exl3_tensors']} EXL3), {summary['size']:,} bytes in {len(summary['files'])} files")
+    for f in summary["files"]:
+        con.print(f"  {f['name']}  {f['size']:,}")
+    om = summary["omitted"]
+    if om["mtp_tensors"] or om["vision_tensors"]:
+        con.print(f"left out (not converted; listed in manifest.json): {om['mtp_tensors']} MTP-layer tensors, "
+                  f"{om['vision_tensors']} vision-tower tensors")
 
 
 if __name__ == "__main__":

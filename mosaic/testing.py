@@ -44,6 +44,7 @@ class Geometry:
     mtp_layers: int = 0
     experts: int = 4
     shared_experts: bool = True
+    score_bias: bool = True  # routed-expert gate's e_score_correction_bias (GLM/DeepSeek style; Qwen3-MoE has none)
     hidden: int = 256
     kv_dim: int = 128
     intermediate: int = 512
@@ -152,7 +153,8 @@ def _units(g: Geometry) -> Iterator[list[_Tensor]]:
             ts += _linear(f"{p}.mlp.down_proj", g.intermediate, h, mb, mc)
         else:
             ts.append(_Tensor(f"{p}.mlp.gate.weight", "BF16", (g.experts, h)))
-            ts.append(_Tensor(f"{p}.mlp.gate.e_score_correction_bias", "F32", (g.experts,)))
+            if g.score_bias:
+                ts.append(_Tensor(f"{p}.mlp.gate.e_score_correction_bias", "F32", (g.experts,)))
             lb = g.layer_bits.get(layer, bits("routed_experts"))
             ei, ec = g.expert_intermediate, book("routed_experts")
             for e in range(g.experts):

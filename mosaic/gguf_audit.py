@@ -1,0 +1,252 @@
+"""``mosaic audit`` of a GGUF export folder (``manifest.json`` + ``*.gguf``, no PROVENANCE.json).
+
+Re-derives what ``manifest.json`` claims from the files alone, with the strict container reader
+(:mod:`mosaic.gguf_format`) and never the exporter's plan: every file's size and SHA-256 (and no
+unlisted file, no link), every shard's structure, the split keys across shards, every tensor's info
+and digest. With ``sources``, every tensor is rebuilt from the safetensors tensors it claims to come
+from and compared by digest: the trellis re-tiling is recomputed here independently, whole source
+tensor at a time, as the fork's ``to_ggml`` states it (``[K/16, N/16, w] -> [N/128, K/16, 8, w]``).
+The report uses :mod:`mosaic.audit`'s classes so the CLI renders it like a mosaic audit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .audit import AuditReport, _walk
+from .checkpoint import check_relative_name, load_json, open_checkpoint
+from .errors import MosaicError
+from .gguf_format import GGUFError, GGUFFile, exl3_bits2, read_gguf
+from .hashing import digest_file, parallel_map
+from .progress import SILENT, Reporter
+
+MANIFEST = "manifest.json"
+SCHEMA = "mosaic.gguf-manifest/v1"
+CHECKS = ("folder", "manifest", "gguf", "split", "tensors", "sources")
+_SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+def is_gguf_folder(root: str | os.PathLike[str]) -> bool:
+    """A GGUF export: manifest.json and at least one .gguf file, and no PROVENANCE.json."""
+    p = Path(root)
+    return (
+        (p / MANIFEST).is_file()
+        and not (p / "PROVENANCE.json").exists()
+        and any(c.suffix == ".gguf" for c in p.iterdir())
+    )
+
+
+def _split_checks(rep: AuditReport, files: dict[str, GGUFFile]) -> None:
+    names = sorted(files)
+    stems = {}
+    for name in names:
+        m = _SHARD_RE.match(name)
+        if not m:
+            rep.fail("split", "file name is not <name>-0000K-of-0000N.gguf", file=name)
+            return
+        stems[name] = (m.group("stem"), int(m.group("i")), int(m.group("n")))
+    if len({(s, n) for s, _, n in stems.values()}) != 1:
+        rep.fail("split", f"shards of different names or counts: {', '.join(names)}")
+        return
+    n = next(iter(stems.values()))[2]
+    if sorted(i for _, i, _ in stems.values()) != list(range(1, n + 1)):
+        rep.fail("split", f"expected shards 1..{n}, found {sorted(i for _, i, _ in stems.values())}")
+    total = sum(len(g.tensors) for g in files.values())
+    seen: dict[str, str] = {}
+    for name in names:
+        g = files[name]
+        i = stems[name][1]
+        want = {"split.no": (2, i - 1), "split.count": (2, n), "split.tensors.count": (5, total)}
+        for key, (vtype, value) in want.items():
+            kv = g.kvs.get(key)
+            if kv is None:
+                rep.fail("split", f"{key} is missing", file=name)
+            elif kv.vtype != vtype or kv.value != value:
+                rep.fail("split", f"{key} = {kv.value!r} (type {kv.vtype}), expected {value!r} (type {vtype})", file=name)
+        if i == 1:
+            arch = g.value("general.architecture")
+            if not isinstance(arch, str) or not arch:
+                rep.fail("split", "the first shard has no general.architecture", file=name)
+            if any(exl3_bits2(t.type_id) for f in files.values() for t in f.tensors):
+                for key in ("quantize.exl3.version", "quantize.exl3.codebook"):
+                    v = g.value(key)
+                    if not isinstance(v, str) or not v:
+                        rep.fail("split", f"{key} is missing or empty; ranma.cpp refuses EXL3 types without it", file=name)
+        else:
+            extra = sorted(k for k in g.kvs if not k.startswith("split."))
+            if extra:
+                rep.fail("split", f"metadata outside the first shard: {', '.join(extra[:5])}", file=name)
+        for t in g.tensors:
+            if t.name in seen:
+                rep.fail("split", f"tensor also in {seen[t.name]}", file=name, tensor=t.name)
+            seen[t.name] = name
+
+
+def _expected_digest(root: Path, entry: dict, ckpt, ckpt_digests: dict[str, str], rep: AuditReport) -> str | None:
+    """Rebuild one GGUF tensor's bytes from its sources; the digest of what the GGUF should hold."""
+    h = hashlib.sha256()
+    for s in entry["sources"]:
+        name = s["tensor"]
+        if name not in ckpt.tensor_file:
+            rep.fail("sources", f"source tensor {name!r} is not in the source checkpoint", tensor=entry["name"])
+            return None
+        if ckpt_digests.get(name) != s["sha256"]:
+            rep.fail("sources", f"source tensor {name!r} has digest {ckpt_digests.get(name)}, the manifest says {s['sha256']}",
+                     tensor=entry["name"])
+        shard, a, b = ckpt.file_range(name)
+        raw = np.fromfile(ckpt.root / shard, dtype=np.uint8, count=b - a, offset=a)
+        if entry["layout"] == "exl3-retile":
+            info = ckpt.tensor(name)
+            kt, nt, w = info.shape
+            if info.dtype != "I16" or nt % 8 or kt % 8:
+                rep.fail("sources", f"{name}: {info.dtype} {list(info.shape)} is not a re-tileable trellis", tensor=entry["name"])
+                return None
+            t = raw.view("<i2").reshape(kt, nt // 8, 8, w)
+            h.update(np.ascontiguousarray(np.swapaxes(t, 0, 1)).tobytes())
+        else:
+            h.update(raw.tobytes())
+    return h.hexdigest()
+
+
+def audit_gguf(
+    folder: str | os.PathLike[str],
+    *,
+    sources: bool | str | Path = False,
+    jobs: int | None = None,
+    progress: Reporter = SILENT,
+) -> AuditReport:
+    """Audit a GGUF export folder. ``sources``: True to use the manifest's recorded relative source
+    path (relative to the current directory), or the source folder itself."""
+    root = Path(folder)
+    rep = AuditReport(root)
+    rep.ran.extend(c for c in CHECKS if c != "sources" or sources)
+    jobs = jobs or os.cpu_count() or 1
+    names = _walk(root, rep)
+    try:
+        doc = load_json(root / MANIFEST, "manifest")
+    except MosaicError as e:
+        rep.fail("manifest", str(e), file=MANIFEST)
+        return rep
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("files"), list) \
+            or not isinstance(doc.get("tensors"), list):
+        rep.fail("manifest", f"not a {SCHEMA} document (schema, files, tensors)", file=MANIFEST)
+        return rep
+    listed: dict[str, dict] = {}
+    for f in doc["files"]:
+        try:
+            n = check_relative_name(f.get("name") if isinstance(f, dict) else None, "file name", MANIFEST)
+        except MosaicError as e:
+            rep.fail("manifest", str(e), file=MANIFEST)
+            continue
+        if n in listed:
+            rep.fail("manifest", "listed twice", file=n)
+        listed[n] = f
+    for n in names:
+        if n != MANIFEST and n not in listed:
+            rep.fail("manifest", "file not listed in manifest.json", file=n)
+    tensors_by_file: dict[str, list[dict]] = {}
+    for t in doc["tensors"]:
+        if not isinstance(t, dict) or not {"name", "file", "offset", "nbytes", "sha256", "type", "ne", "sources", "layout"} <= set(t):
+            rep.fail("manifest", f"malformed tensor entry {str(t)[:80]}", file=MANIFEST)
+            return rep
+        tensors_by_file.setdefault(t["file"], []).append(t)
+
+    present = [n for n in listed if n in names]
+    for n in listed:
+        if n not in names:
+            rep.fail("manifest", "listed in manifest.json but missing", file=n)
+    parsed: dict[str, GGUFFile] = {}
+    for n in present:
+        if n.endswith(".gguf"):
+            try:
+                parsed[n] = read_gguf(root / n)
+            except GGUFError as e:
+                rep.fail("gguf", str(e), file=n, tensor=e.tensor)
+
+    def one(n: str) -> tuple[str, int, str, dict[str, str]]:
+        g = parsed.get(n)
+        ranges = [g.file_range(t) for t in g.tensors] if g else []
+        d = digest_file(root / n, ranges)
+        return n, d.size, d.sha256, {t.name: h for t, h in zip(g.tensors, d.ranges, strict=True)} if g else {}
+
+    digests: dict[str, str] = {}
+    total = 0
+    for n, size, sha, tdig in parallel_map(one, present, jobs):
+        total += size
+        f = listed[n]
+        if f.get("size") != size:
+            rep.fail("manifest", f"size {size}, manifest.json says {f.get('size')}", file=n)
+        if f.get("sha256") != sha:
+            rep.fail("manifest", f"SHA-256 {sha}, manifest.json says {f.get('sha256')}", file=n)
+        digests.update({f"{n}\0{k}": v for k, v in tdig.items()})
+    if parsed:
+        _split_checks(rep, parsed)
+
+    for n, g in parsed.items():
+        entries = {t["name"]: t for t in tensors_by_file.get(n, [])}
+        for t in g.tensors:
+            e = entries.pop(t.name, None)
+            if e is None:
+                rep.fail("tensors", "tensor not in manifest.json", file=n, tensor=t.name)
+                continue
+            a, _ = g.file_range(t)
+            claims = {"type": t.type_id, "ne": list(t.ne), "offset": a, "nbytes": t.nbytes}
+            for k, v in claims.items():
+                if e.get(k) != v:
+                    rep.fail("tensors", f"{k} is {v}, manifest.json says {e.get(k)}", file=n, tensor=t.name)
+            h = digests.get(f"{n}\0{t.name}")
+            if h != e["sha256"]:
+                rep.fail("tensors", f"SHA-256 {h}, manifest.json says {e['sha256']}", file=n, tensor=t.name)
+        for name in entries:
+            rep.fail("tensors", "in manifest.json but not in the file", file=n, tensor=name)
+    rep.counts = {"files": len(present), "shards": len(parsed), "tensors": sum(len(g.tensors) for g in parsed.values()),
+                  "bytes": total}
+
+    if sources:
+        _audit_sources(rep, doc, sources, digests, jobs)
+    return rep
+
+
+def _audit_sources(rep: AuditReport, doc: dict, sources: bool | str | Path, digests: dict[str, str], jobs: int) -> None:
+    if sources is True:
+        rec = (doc.get("source") or {}).get("path")
+        if not isinstance(rec, str) or not rec or os.path.isabs(rec):
+            rep.fail("sources", "manifest.json records no relative source path; pass the source folder to --sources")
+            return
+        src = Path(rec)
+    else:
+        src = Path(sources)
+    try:
+        ckpt = open_checkpoint(src)
+    except MosaicError as e:
+        rep.fail("sources", f"cannot open the source checkpoint: {e}")
+        return
+    wanted: dict[str, list[str]] = {}
+    for t in doc["tensors"]:
+        for s in t["sources"]:
+            if s["tensor"] in ckpt.tensor_file:
+                wanted.setdefault(ckpt.tensor_file[s["tensor"]], []).append(s["tensor"])
+    ckpt_digests: dict[str, str] = {}
+
+    def one(item: tuple[str, list[str]]) -> dict[str, str]:
+        shard, ns = item
+        ns = sorted(set(ns))
+        h = ckpt.headers[shard]
+        d = digest_file(ckpt.root / shard, [h.file_range(x) for x in ns])
+        return dict(zip(ns, d.ranges, strict=True))
+
+    for part in parallel_map(one, list(wanted.items()), jobs):
+        ckpt_digests.update(part)
+    for t in doc["tensors"]:
+        want = _expected_digest(ckpt.root, t, ckpt, ckpt_digests, rep)
+        if want is not None and want != t["sha256"]:
+            rep.fail("sources", "the bytes rebuilt from the sources differ from the manifest's digest",
+                     file=t["file"], tensor=t["name"])
+        got = digests.get(f"{t['file']}\0{t['name']}")
+        if want is not None and got is not None and want != got:
+            rep.fail("sources", "the GGUF bytes differ from the bytes rebuilt from the sources", file=t["file"], tensor=t["name"])
