@@ -34,7 +34,7 @@ fuzz: $(STAMP)
 # make release RECIPE=recipes/x.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1]
 # fetch -> build -> audit -> publish; make stops at the first step that fails.
 MOSAIC      = $(BIN)/python -m mosaic.cli
-RELEASE_OUT = $(or $(OUT),$(shell $(BIN)/python -c 'import sys; from mosaic.recipe import load_recipe; print(load_recipe(sys.argv[1]).output_path())' '$(RECIPE)'))
+RELEASE_OUT = $(or $(OUT),$(if $(RECIPE),$(shell $(BIN)/python -c 'import sys; from mosaic.recipe import load_recipe; print(load_recipe(sys.argv[1]).output_path())' '$(RECIPE)' 2>/dev/null)))
 
 release: $(STAMP)
 	@test -n "$(RECIPE)" -a -n "$(REPO)" || { echo "usage: make release RECIPE=recipe.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1]" >&2; exit 2; }

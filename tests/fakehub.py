@@ -232,7 +232,8 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 doc = json.loads(body)
                 repo_id = f"{doc['organization']}/{doc['name']}" if doc.get("organization") else doc["name"]
                 if repo_id in hub.repos:
-                    return self._error(409, None, "You already created this model repo", extra={})
+                    body409 = {"error": "You already created this model repo", "url": f"{hub.endpoint}/{repo_id}"}
+                    return self._json(409, body409, {"X-Error-Message": body409["error"]})
                 hub.commit(repo_id, {}, branch="main")
                 hub.repos[repo_id].private = doc.get("visibility") == "private" or bool(doc.get("private"))
                 return self._json(200, {"url": f"{hub.endpoint}/{repo_id}", "name": repo_id})
