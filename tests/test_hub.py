@@ -166,12 +166,16 @@ def test_pinned_fetch_verifies_records_and_does_not_hash_twice(hub: FakeHub, pub
     after = verified_digests(REPO, sha)
     assert after is not None and shard not in after and len(after) == len(digests) - 1
     assert verified_digests(REPO, "0" * 40) is None
+    # --local-dir: a plain folder, its own record, the same digests
+    ld = fetch_snapshot(REPO, sha, local_dir=tmp_path / "ld")
+    assert ld.folder == tmp_path / "ld" and ld.hashed == ld.files
+    assert verified_digests(REPO, sha, local_dir=tmp_path / "ld") == digests
     # the token was sent to the hub, and written nowhere
     assert hub.auth and all(a == f"Bearer {TOKEN}" for a in hub.auth)
     no_token_below(tmp_path)
 
 
-def test_corrupted_download_is_detected_and_removed(hub: FakeHub, published_base) -> None:
+def test_corrupted_download_is_detected_and_removed(hub: FakeHub, published_base, tmp_path: Path, ckpt_factory) -> None:
     base, sha = published_base
     shard = sorted(n for n in files_of(base) if n.endswith(".safetensors"))[0]
     good = (base / shard).read_bytes()
@@ -194,6 +198,12 @@ def test_corrupted_download_is_detected_and_removed(hub: FakeHub, published_base
     got = fetch_snapshot(REPO, sha)
     assert got.hashed == 2 and (folder / shard).read_bytes() == good
     assert verified_digests(REPO, sha)[shard] == hashlib.sha256(good).hexdigest()  # type: ignore[index]
+    # on the command line: exit 1, one error line naming the file
+    sha2 = hub.commit(REPO, {"notes.txt": b"a new file in a new commit\n"})
+    hub.corrupt[(REPO, "notes.txt")] = b"A NEW FILE in a new commit\n"
+    r = CliRunner().invoke(main, ["fetch", str(write_recipe(tmp_path, sha2, ckpt_factory(DONOR)))])
+    assert r.exit_code == 1 and r.output.startswith("mosaic: error:") and "notes.txt" in r.output
+    assert "Traceback" not in r.output
 
 
 def test_branch_names_are_refused_with_how_to_pin(hub: FakeHub, published_base, tmp_path: Path, ckpt_factory) -> None:
@@ -213,7 +223,7 @@ def test_branch_names_are_refused_with_how_to_pin(hub: FakeHub, published_base, 
     assert hub.log == []
 
 
-def test_offline_resolves_from_the_cache(hub: FakeHub, published_base, offline) -> None:
+def test_offline_resolves_from_the_cache(hub: FakeHub, published_base, offline, tmp_path: Path, ckpt_factory) -> None:
     _, sha = published_base
     online = fetch_snapshot(REPO, sha)
     n = len(hub.log)
@@ -222,6 +232,8 @@ def test_offline_resolves_from_the_cache(hub: FakeHub, published_base, offline) 
     assert got.offline and got.folder == online.folder and got.hashed == 0 and got.unchanged == online.files
     assert resolve_snapshot(REPO, sha) == online.folder
     assert hub_snapshot(REPO, sha) == online.folder
+    r = CliRunner().invoke(main, ["fetch", str(write_recipe(tmp_path, sha, ckpt_factory(DONOR)))])
+    assert r.exit_code == 0 and "offline" in r.output and sha in r.output
     assert len(hub.log) == n  # no request at all
     with pytest.raises(SourceError) as e:
         fetch_snapshot("test-org/never-fetched", "a" * 40)
@@ -342,6 +354,16 @@ def test_publish_uploads_one_commit_and_reads_back_digests(hub: FakeHub, mosaic_
     assert {n: d for n, d in tree.items() if n != ".gitattributes"} == files_of(mosaic_dir)
     assert TOKEN not in r.output and all(a == f"Bearer {TOKEN}" for a in hub.auth)
     no_token_below(tmp_path)
+    # the consumer side, as the README tells it: download by commit, sha256sum -c, drop the bookkeeping, audit
+    from huggingface_hub import snapshot_download
+
+    dl = Path(snapshot_download("test-org/pub", revision=doc["commit"], local_dir=tmp_path / "consumer"))
+    if shutil.which("sha256sum"):
+        p = subprocess.run(["sha256sum", "--quiet", "-c", "sha256-manifest.txt"], cwd=dl, capture_output=True, timeout=60)
+        assert p.returncode == 0, p.stdout + p.stderr
+    shutil.rmtree(dl / ".cache")
+    (dl / ".gitattributes").unlink()
+    assert audit(dl).ok
     # plain output ends with the commit id; a branch is created when missing
     r = CliRunner().invoke(main, ["publish", str(mosaic_dir), "--repo", "test-org/pub", "--branch", "rc1"])
     assert r.exit_code == 0, r.output
