@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO   := demo
 
-.PHONY: install demo test lint bench fuzz clean
+.PHONY: install demo test lint bench fuzz clean release
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,18 @@ bench: $(STAMP)
 
 fuzz: $(STAMP)
 	MOSAIC_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest tests/test_fuzz.py
+
+# make release RECIPE=recipes/x.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1]
+# fetch -> build -> audit -> publish; make stops at the first step that fails.
+MOSAIC      = $(BIN)/python -m mosaic.cli
+RELEASE_OUT = $(or $(OUT),$(if $(RECIPE),$(shell $(BIN)/python -c 'import sys; from mosaic.recipe import load_recipe; print(load_recipe(sys.argv[1]).output_path())' '$(RECIPE)' 2>/dev/null)))
+
+release: $(STAMP)
+	@test -n "$(RECIPE)" -a -n "$(REPO)" || { echo "usage: make release RECIPE=recipe.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1]" >&2; exit 2; }
+	$(MOSAIC) fetch '$(RECIPE)'
+	$(MOSAIC) build '$(RECIPE)' --out '$(RELEASE_OUT)' $(if $(FORCE),--force)
+	$(MOSAIC) audit '$(RELEASE_OUT)' --sources '$(RECIPE)'
+	$(MOSAIC) publish '$(RELEASE_OUT)' --repo '$(REPO)' $(if $(BRANCH),--branch '$(BRANCH)') $(if $(PRIVATE),--private)
 
 clean:
 	rm -rf $(VENV) $(DEMO) out .pytest_cache .hypothesis

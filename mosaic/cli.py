@@ -195,5 +195,78 @@ def export_gguf_cmd(directory: Path, out: Path, split_max_size: str, no_tensor_f
                   f"{om['vision_tensors']} vision-tower tensors")
 
 
+@main.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--local-dir", "local_dir", type=click.Path(path_type=Path), default=None,
+              help="Download into DIR/<org>/<name>@<revision> instead of the Hugging Face cache.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files verified at once (default: number of cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+@_guarded
+def fetch(recipe: Path, local_dir: Path | None, jobs: int | None, as_json: bool) -> None:
+    """Download every repo + revision source of RECIPE at its pinned commit and verify every file.
+
+    Files are checked against the hub's own digests (LFS SHA-256, git blob id); the digests are kept
+    so that a build need not hash an unchanged file again. With HF_HUB_OFFLINE=1 the cache is
+    checked instead. Exit 1 when a file differs from the hub's digest (it is removed: fetch again).
+    """
+    from .hub import fetch as run_fetch
+    from .progress import reporter
+
+    show = not as_json and sys.stderr.isatty()
+    with reporter(False if as_json else None) as progress:
+        got = run_fetch(recipe, local_dir=local_dir, jobs=jobs, progress=progress, show_hub_progress=show)
+    doc = {"ok": True, "sources": [s.as_dict() for s in got]}
+    if as_json:
+        _emit_json(doc)
+        return
+    con = _console()
+    if not got:
+        con.print("no repo + revision sources in this recipe: nothing to fetch")
+    for s in got:
+        how = f"{s.hashed} hashed, {s.unchanged} unchanged since verified" + (" (offline, from the cache)" if s.offline else "")
+        con.print(f"{s.repo}@{s.revision}: {s.files} files, {s.bytes:,} bytes verified against the hub's digests ({how})")
+        con.print(f"  {s.folder}")
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--repo", required=True, metavar="ORG/NAME", help="Hub model repository (created if missing).")
+@click.option("--branch", default=None, help="Branch to commit to (default: main; created if missing).")
+@click.option("--private", is_flag=True, help="Create the repository as private (an existing one keeps its visibility).")
+@click.option("--dry-run", "dry_run", is_flag=True, help="Audit and list what would be uploaded; no network at all.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files audited at once (default: number of cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+@_guarded
+def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_run: bool, jobs: int | None, as_json: bool) -> None:
+    """Upload a mosaic folder to the hub in one commit, after `mosaic audit DIRECTORY` passes.
+
+    The commit message names the recipe's SHA-256 and mosaic's version; afterwards the hub's digest
+    of every uploaded file is compared with sha256-manifest.txt (exit 1 on any difference) and the
+    commit id is printed. The token comes from huggingface_hub's usual places (HF_TOKEN, `hf auth login`).
+    """
+    from .hub import publish as run_publish
+    from .progress import reporter
+
+    show = not as_json and sys.stderr.isatty()
+    with reporter(False if as_json else None) as progress:
+        res = run_publish(directory, repo, branch=branch, private=private, dry_run=dry_run, jobs=jobs,
+                          progress=progress, show_hub_progress=show)
+    if as_json:
+        _emit_json(res.as_dict())
+        return
+    con = _console()
+    total = sum(f.size for f in res.files)
+    verb = "would upload" if dry_run else "uploaded"
+    con.print(f"{verb} {len(res.files)} files, {total:,} bytes, to {res.repo} branch {res.branch} in one commit:")
+    con.print(f"  {res.commit_message}")
+    for f in res.files:
+        con.print(f"  {f.size:>16,}  {f.name}")
+    for n in res.deleted:
+        con.print(f"  {'deleted':>16}  {n}")
+    if not dry_run:
+        con.print("hub digests of every uploaded file match sha256-manifest.txt")
+        click.echo(res.commit)
+
+
 if __name__ == "__main__":
     main()

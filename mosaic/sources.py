@@ -3,7 +3,8 @@
 ``path`` sources are relative to the recipe file's folder (or, for ``mosaic audit --sources`` without
 a recipe file, to the current directory). ``repo`` + ``revision`` sources come from the local
 Hugging Face cache through huggingface_hub, offline; a source that is not there is a clear error
-saying how to get it. Sources are only ever opened for reading.
+saying how to get it (`mosaic fetch`), and an incomplete snapshot is an error naming the missing
+files. Sources are only ever opened for reading.
 """
 
 from __future__ import annotations
@@ -15,18 +16,14 @@ from .recipe import SourceSpec
 
 
 def hub_snapshot(repo: str, revision: str) -> Path:
-    """The cached snapshot folder of ``repo`` at ``revision``; never touches the network."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    """The cached snapshot folder of ``repo`` at ``revision``; never touches the network.
 
-    try:
-        folder = snapshot_download(repo_id=repo, revision=revision, local_files_only=True)
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError) as e:
-        raise SourceError(
-            f"{repo}@{revision}: not in the local Hugging Face cache ({type(e).__name__}); "
-            f"download it first with `mosaic fetch RECIPE`"
-        ) from None
-    return Path(folder)
+    Shared with ``mosaic fetch`` (:func:`mosaic.hub.resolve_snapshot`): the revision must be a pinned
+    commit, and a snapshot missing files of the hub's listing is an error naming them.
+    """
+    from .hub import resolve_snapshot
+
+    return resolve_snapshot(repo, revision)
 
 
 def resolve_source(spec: SourceSpec, relative_to: Path) -> Path:
