@@ -93,14 +93,27 @@ class NotAMosaic(MosaicError):
     """The folder holds no PROVENANCE.json: exit 2."""
 
 
+#: What the hub adds to a downloaded mosaic: its ``.gitattributes`` (LFS rules) and, with
+#: ``--local-dir``, huggingface_hub's own download metadata. Neither is loaded by exllamav3 (it reads
+#: top-level ``*.safetensors`` and the configs), so the audit skips them and counts them, rather than
+#: failing every consumer's download.
+HUB_ARTEFACTS = (".gitattributes", ".cache/huggingface")
+
+
 def _walk(root: Path, rep: AuditReport) -> list[str]:
     """Every regular file below ``root`` as a relative name; links and odd files are failures."""
     names: list[str] = []
+    ignored = 0
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         d = Path(dirpath)
         for entry in sorted(dirnames + filenames):
             p = d / entry
             rel = p.relative_to(root).as_posix()
+            if rel in HUB_ARTEFACTS and not p.is_symlink():
+                ignored += sum(len(f) for _, _, f in os.walk(p)) if p.is_dir() else 1
+                if entry in dirnames:
+                    dirnames.remove(entry)
+                continue
             st = os.lstat(p)
             if stat.S_ISLNK(st.st_mode):
                 rep.fail("folder", "symbolic link in a mosaic folder (mosaic never writes one)", file=rel)
@@ -110,6 +123,8 @@ def _walk(root: Path, rep: AuditReport) -> list[str]:
                 names.append(rel)
             elif not stat.S_ISDIR(st.st_mode):
                 rep.fail("folder", "not a regular file", file=rel)
+    if ignored:
+        rep.counts["hub_files_ignored"] = ignored
     return sorted(names)
 
 

@@ -339,3 +339,16 @@ def test_glm_geometry_mosaic_audits_clean(tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "layers": [3, "5-6"], "modules": ["mlp.experts"]}], at=tmp_path))
     out = build(recipe, out=tmp_path / "o").out_dir
     assert audit(out, sources=recipe).ok
+
+
+def test_hub_download_artefacts_are_not_a_failure(mosaic: Path) -> None:
+    (mosaic / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    meta = mosaic / ".cache" / "huggingface" / "download"
+    meta.mkdir(parents=True)
+    (meta / "config.json.metadata").write_text("abc\n")
+    rep = audit(mosaic)
+    assert rep.ok, rep.failures
+    assert rep.counts["hub_files_ignored"] == 2
+    # anything else hidden is still a failure
+    (mosaic / ".cache" / "other").write_text("x")
+    assert ("manifest", ".cache/other", None) in failures(mosaic)
