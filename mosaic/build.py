@@ -29,7 +29,7 @@ from .progress import SILENT, Reporter
 from .provenance import build_provenance, checked_dumps
 from .recipe import Recipe, load_recipe
 from .records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, FileRecord, manifest
-from .selection import select
+from .selection import donor_modules, pick, select
 from .sources import resolve_source
 from .splice import SpliceResult, splice
 
@@ -46,29 +46,30 @@ class BuildResult:
     splice: SpliceResult
 
 
-def load_sources(recipe: Recipe, relative_to: Path | None = None) -> dict[str, Analysis]:
-    """Resolve and census the base and every donor; refuse sources with problems."""
-    where = relative_to or recipe.folder
-    out: dict[str, Analysis] = {}
-    specs = {"base": recipe.base, **recipe.donors}
-    for sid, spec in specs.items():
-        folder = resolve_source(spec, where)
-        a = analyze(open_checkpoint(folder))
-        if a.problems:
-            more = f" (and {len(a.problems) - 1} more; run `mosaic census {folder}`)" if len(a.problems) > 1 else ""
-            raise SourceError(f"source {sid!r} ({spec.describe()}): {a.problems[0]}{more}")
-        out[sid] = a
-    return out
+def _census(sid: str, spec: object, folder: Path, modules: set[str] | None = None) -> Analysis:
+    a = analyze(open_checkpoint(folder, modules=modules))
+    if a.problems:
+        more = f" (and {len(a.problems) - 1} more; run `mosaic census {folder}`)" if len(a.problems) > 1 else ""
+        raise SourceError(f"source {sid!r} ({spec.describe()}): {a.problems[0]}{more}")  # type: ignore[attr-defined]
+    return a
 
 
 def plan_build(recipe: Recipe) -> BuildPlan:
-    sources = load_sources(recipe)
+    """Census the base, apply the rules, census each donor for the modules it supplies, and plan.
+
+    A donor is opened only for the modules the recipe takes from it: its other shards and
+    quantization_config.json entries play no part in the mosaic."""
     used = {r.donor for r in recipe.rules}
     unused = [d for d in recipe.donors if d not in used]
     if unused:
         raise SourceError(f"{recipe.file}: donors: {', '.join(unused)} is used by no replace rule")
-    selection = select(recipe, sources["base"], {k: v for k, v in sources.items() if k != "base"})
-    return make_plan(recipe, sources, selection)
+    folders = {sid: resolve_source(spec, recipe.folder) for sid, spec in {"base": recipe.base, **recipe.donors}.items()}
+    base = _census("base", recipe.base, folders["base"])
+    picks = pick(recipe, base)
+    needs = donor_modules(recipe, picks)
+    donors = {did: _census(did, spec, folders[did], needs[did]) for did, spec in recipe.donors.items()}
+    selection = select(recipe, base, donors, picks)
+    return make_plan(recipe, {"base": base, **donors}, selection)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -69,7 +69,20 @@ class Analysis:
 
     @cached_property
     def rate(self) -> Fraction | None:
+        """The exact trellis rate from the headers (None for a partially opened checkpoint)."""
+        if self.ckpt.partial:
+            return None
         return exact_rate(self.modules.values(), self.num_hidden_layers)
+
+    @property
+    def nominal_rate(self) -> float | None:
+        """The rate the checkpoint is published at: config.json's ``quantization_config.bits`` (the
+        number a model card quotes, e.g. 2.05), else the exact rate."""
+        qc = (self.ckpt.config or {}).get("quantization_config")
+        bits = qc.get("bits") if isinstance(qc, dict) else None
+        if isinstance(bits, (int, float)) and not isinstance(bits, bool):
+            return float(bits)
+        return float(self.rate) if self.rate is not None else None
 
     def codebooks(self) -> Counter[str]:
         return Counter(m.codebook for m in self.modules.values() if m.is_exl3 and m.codebook)
@@ -149,7 +162,8 @@ def analyze(ckpt: Checkpoint) -> Analysis:
     books = a.codebooks()
     if len(books) > 1:
         a.codebook_mix = "mixed codebooks: " + ", ".join(f"{c} ({n} modules)" for c, n in sorted(books.items()))
-    a.problems.extend(check_qconfig(ckpt, modules))
+    if not ckpt.partial:
+        a.problems.extend(check_qconfig(ckpt, modules))
     if ckpt.config is not None:
         qc = ckpt.config.get("quantization_config")
         rate = a.rate

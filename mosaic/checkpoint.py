@@ -96,6 +96,9 @@ class Checkpoint:
     qconfig: dict | None
     files: list[str]  # every regular file (after following links), relative POSIX names, sorted
     problems: list[str] = field(default_factory=list)
+    #: Opened for some modules only (a donor): only the shards holding them were read, and
+    #: ``qconfig`` holds only their tensor_storage entries.
+    partial: bool = False
 
     @property
     def other_files(self) -> list[str]:
@@ -160,8 +163,82 @@ def _shard_sort_key(name: str) -> tuple[int, str]:
     return (int(m.group(1)) if m else 1 << 30, name)
 
 
-def open_checkpoint(root: str | os.PathLike[str]) -> Checkpoint:
-    """Open a checkpoint folder: shards from the index (or the single ``model.safetensors``)."""
+# exllamav3 writes quantization_config.json with indent=4: every tensor_storage entry opens on a line
+# of its own at 8 spaces and closes at the first later line that is 8 spaces and "}".
+_ENTRY_START = b'\n        "'
+_ENTRY_END = b"\n        }"
+
+
+def entry_spans(text: bytes) -> dict[str, tuple[int, int]]:
+    """Byte spans ``"key": {...}`` of the 8-space-indented object members of an indent=4 document.
+
+    A scan with ``bytes.find`` (no regex, no parse): at 48 MB and 40,000 entries this is what keeps
+    reading a few entries cheap. Callers check each span with :func:`parse_span` before trusting it."""
+    spans: dict[str, tuple[int, int]] = {}
+    pos = text.find(_ENTRY_START)
+    while pos >= 0:
+        start = pos + 1
+        eol = text.find(b"\n", start)
+        if eol < 0:
+            break
+        if text.endswith(b'": {', start, eol):
+            raw = text[start + 8 : eol - 3]
+            end = text.find(_ENTRY_END, eol)
+            if end < 0:
+                break
+            end += len(_ENTRY_END)
+            key: str | None
+            if b"\\" in raw:
+                try:
+                    key = json.loads(raw)
+                except ValueError:
+                    key = None
+            else:
+                key = raw[1:-1].decode("utf-8", "replace")
+            if isinstance(key, str):
+                spans[key] = (start, end)
+            pos = text.find(_ENTRY_START, end)
+        else:
+            pos = text.find(_ENTRY_START, eol)
+    return spans
+
+
+def parse_span(text: bytes, span: tuple[int, int]) -> tuple[str, object] | None:
+    """The (key, value) a span holds, or None when it is not exactly one JSON member."""
+    try:
+        obj = json.loads(b"{" + text[span[0] : span[1]] + b"}")
+    except ValueError:
+        return None
+    return next(iter(obj.items())) if isinstance(obj, dict) and len(obj) == 1 else None
+
+
+def _partial_qconfig(path: Path, keys: set[str]) -> dict:
+    """The tensor_storage entries of ``keys`` only, without parsing the whole 48 MB file when its
+    layout allows; otherwise the whole file, strictly."""
+    text = path.read_bytes()
+    spans = entry_spans(text)
+    storage: dict[str, object] = {}
+    for k in keys:
+        if k in spans:
+            kv = parse_span(text, spans[k])
+            if kv is None or kv[0] != k:
+                break
+            storage[k] = kv[1]
+    else:
+        return {"tensor_storage": storage}
+    q = load_json(path, "quantization config")
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    full = q.get("tensor_storage")
+    return {"tensor_storage": {k: v for k, v in full.items() if k in keys} if isinstance(full, dict) else {}}
+
+
+def open_checkpoint(root: str | os.PathLike[str], *, modules: set[str] | None = None) -> Checkpoint:
+    """Open a checkpoint folder: shards from the index (or the single ``model.safetensors``).
+
+    With ``modules`` (module keys), only the shards that hold tensors of those modules are read and
+    only their quantization_config.json entries are kept: a donor needs no more, and at 150,000
+    tensors reading the rest costs seconds."""
     rootp = Path(root)
     if not rootp.is_dir():
         raise CheckpointError(f"{rootp}: not a folder")
@@ -190,6 +267,12 @@ def open_checkpoint(root: str | os.PathLike[str]) -> Checkpoint:
             f"shard file(s) not in the index (exllamav3 loads every *.safetensors): {', '.join(stray)}"
         )
 
+    partial = modules is not None and weight_map is not None
+    if partial:
+        assert modules is not None and weight_map is not None
+        wanted = {shard for name, shard in weight_map.items() if name.rpartition(".")[0] in modules}
+        shards = [s for s in shards if s in wanted]
+        weight_map = {k: v for k, v in weight_map.items() if v in wanted}
     headers = {s: read_header(rootp / s) for s in shards}
     tensor_file: dict[str, str] = {}
     for s in shards:
@@ -211,7 +294,7 @@ def open_checkpoint(root: str | os.PathLike[str]) -> Checkpoint:
         meta = index.get("metadata")
         total = meta.get("total_size") if isinstance(meta, dict) else None
         actual = sum(h.data_size for h in headers.values())
-        if total is not None and total != actual:
+        if total is not None and total != actual and not partial:
             problems.append(f"index: metadata.total_size is {total} but the shards hold {actual} tensor bytes")
 
     config = qconfig = None
@@ -220,12 +303,15 @@ def open_checkpoint(root: str | os.PathLike[str]) -> Checkpoint:
         if not isinstance(c, dict):
             raise CheckpointError(f"{rootp / CONFIG_NAME}: not a JSON object")
         config = c
-    if QCONFIG_NAME in files:
+    if QCONFIG_NAME in files and partial:
+        assert modules is not None
+        qconfig = _partial_qconfig(rootp / QCONFIG_NAME, modules)
+    elif QCONFIG_NAME in files:
         q = load_json(rootp / QCONFIG_NAME, "quantization config")
         if not isinstance(q, dict):
             raise CheckpointError(f"{rootp / QCONFIG_NAME}: not a JSON object")
         qconfig = q
-    return Checkpoint(rootp, shards, headers, tensor_file, index, config, qconfig, files, problems)
+    return Checkpoint(rootp, shards, headers, tensor_file, index, config, qconfig, files, problems, partial)
 
 
 def read_small_tensors(ckpt: Checkpoint, names: list[str]) -> dict[str, bytes]:

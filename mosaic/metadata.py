@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from fractions import Fraction
 
 from .census import ST_TO_TORCH
+from .checkpoint import entry_spans, parse_span
 from .errors import SourceError
 
 
@@ -64,20 +65,7 @@ def new_config(base_config: dict, rate: Fraction | None) -> bytes:
     return dumps(cfg)
 
 
-# In exllamav3's layout (indent=4) every tensor_storage entry opens on a line of its own at 8 spaces
-# and closes at the first later line that is 8 spaces and "}".
-_ENTRY_RE = re.compile(rb'^        ("(?:[^"\\\n]|\\.)*"): \{$', re.M)
 _BITS_RE = re.compile(rb'^    "bits": [^,\n]*', re.M)
-
-
-def _entry_spans(text: bytes) -> dict[str, tuple[int, int]]:
-    spans: dict[str, tuple[int, int]] = {}
-    for m in _ENTRY_RE.finditer(text):
-        end = text.find(b"\n        }", m.end())
-        if end < 0:
-            break
-        spans[json.loads(m.group(1))] = (m.start(), end + len(b"\n        }"))
-    return spans
 
 
 def expected_qconfig(base_q: dict, donor_q: Mapping[str, dict | None], replaced: Mapping[str, str], rate: Fraction | None) -> dict:
@@ -103,28 +91,35 @@ def expected_qconfig(base_q: dict, donor_q: Mapping[str, dict | None], replaced:
     return q
 
 
-def new_qconfig(base_text: bytes, donor_texts: Mapping[str, bytes], expected: dict, replaced: Mapping[str, str]) -> bytes:
+def new_qconfig(
+    base_text: bytes, base_q: dict, donor_texts: Mapping[str, bytes], expected: dict, replaced: Mapping[str, str]
+) -> bytes:
     """The bytes of the mosaic's quantization_config.json.
 
     Replaced entries are spliced in as the donor's own text and ``bits`` is patched in the base's
-    text, so that everything else stays byte-identical (and 48 MB are not re-serialized); the result
-    must parse to ``expected``, else the document is written anew."""
-    base_spans = _entry_spans(base_text)
-    donor_spans = {did: _entry_spans(t) for did, t in donor_texts.items() if did in set(replaced.values())}
+    text, so that everything else stays byte-identical (and 48 MB are not re-serialized). Each cut
+    is checked to parse to exactly the entry it replaces and each insert to the entry expected; if
+    the text does not allow that, the document is written anew from ``expected``."""
+    base_spans = entry_spans(base_text)
+    donor_spans = {did: entry_spans(t) for did, t in donor_texts.items() if did in set(replaced.values())}
+    storage = expected.get("tensor_storage") or {}
+    base_storage = base_q.get("tensor_storage") or {}
     pieces: list[tuple[int, int, bytes]] = []
     ok = True
     for key, did in replaced.items():
         b = base_spans.get(key)
         d = donor_spans.get(did, {}).get(key)
-        if b is None or d is None:
+        # each cut must be exactly the entry it names, on both sides
+        if b is None or d is None or parse_span(base_text, b) != (key, base_storage.get(key)) or parse_span(donor_texts[did], d) != (key, storage.get(key)):
             ok = False
             break
         pieces.append((b[0], b[1], donor_texts[did][d[0] : d[1]]))
-    bits = expected.get("bits")
     m = _BITS_RE.search(base_text) if "bits" in expected else None
+    if m is not None and parse_span(base_text, (m.start(), m.end())) != ("bits", base_q.get("bits")):
+        m = None  # not the top-level member it looked like
     if ok and ("bits" not in expected or m is not None):
         if m is not None:
-            pieces.append((m.start(), m.end(), b'    "bits": ' + json.dumps(bits).encode()))
+            pieces.append((m.start(), m.end(), b'    "bits": ' + json.dumps(expected["bits"]).encode()))
         pieces.sort()
         out = bytearray()
         pos = 0
@@ -136,7 +131,7 @@ def new_qconfig(base_text: bytes, donor_texts: Mapping[str, bytes], expected: di
             out += repl
             pos = e
         out += base_text[pos:]
-        if ok and _same(bytes(out), expected):
+        if ok:
             return bytes(out)
     return dumps(expected)
 

@@ -62,9 +62,12 @@ class CarriedFile:
 
 @dataclass(frozen=True)
 class Rates:
+    """The mosaic's exact rate from its headers, and the two derivations a model card quotes, which
+    start from the sources' published (nominal) rates."""
+
     exact: Fraction | None
-    base: Fraction | None
-    donors: dict[str, Fraction | None]
+    base: float | None
+    donors: dict[str, float | None]
     by_bytes: float | None
     by_layer_mass: float | None
 
@@ -113,7 +116,7 @@ def carried_files(base: Analysis, exclude: tuple[str, ...]) -> list[CarriedFile]
     return out
 
 
-def layer_mass_rate(result: dict[str, Module], selection: Selection, rates: dict[str, Fraction | None], n_layers: int | None) -> float | None:
+def layer_mass_rate(result: dict[str, Module], selection: Selection, rates: dict[str, float | None], n_layers: int | None) -> float | None:
     """Equal-layer average: each decoder layer counts at the rate of the source that supplies most of
     its quantized weights (the seed card's (33 × 2.05 + 12 × 3.05) / 45)."""
     weights: dict[int, dict[str, int]] = {}
@@ -128,14 +131,14 @@ def layer_mass_rate(result: dict[str, Module], selection: Selection, rates: dict
         w[src] = w.get(src, 0) + m.weights
     if not weights:
         return None
-    total = Fraction(0)
+    total = 0.0
     for per_src in weights.values():
         src = max(sorted(per_src), key=lambda s: (per_src[s], s == "base"))
         r = rates.get(src)
         if r is None:
             return None
         total += r
-    return float(total / len(weights))
+    return total / len(weights)
 
 
 def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection) -> BuildPlan:
@@ -175,7 +178,7 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
     result = selection.result
     n_layers = base.num_hidden_layers
     rate = exact_rate(result.values(), n_layers)
-    src_rates = {sid: a.rate for sid, a in sources.items()}
+    src_rates = {sid: a.nominal_rate for sid, a in sources.items()}
     plan_tensors = {t.name: (t.dtype, t.shape, t.nbytes) for s in shards for t in s.tensors}
     tensor_bytes = sum(v[2] for v in plan_tensors.values())
     shard_bytes = sum(s.size for s in shards)
@@ -200,7 +203,7 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
             raise SourceError(f"quantization_config.json would disagree with the output headers: {bad[0]}")
         donors_used = set(replaced.values())
         texts = {sid: (a.ckpt.root / QCONFIG_NAME).read_bytes() for sid, a in sources.items() if sid in donors_used}
-        generated[QCONFIG_NAME] = metadata.new_qconfig((bck.root / QCONFIG_NAME).read_bytes(), texts, expected, replaced)
+        generated[QCONFIG_NAME] = metadata.new_qconfig((bck.root / QCONFIG_NAME).read_bytes(), bck.qconfig, texts, expected, replaced)
         used["base"].add(QCONFIG_NAME)
         for did in set(replaced.values()):
             used[did].add(QCONFIG_NAME)
@@ -208,7 +211,7 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
     carried = carried_files(base, recipe.exclude)
     used["base"].update(f.name for f in carried)
     base_rate = src_rates["base"]
-    by_bytes = float(base_rate) * shard_bytes / bck.shard_bytes if base_rate is not None and bck.shard_bytes else None
+    by_bytes = base_rate * shard_bytes / bck.shard_bytes if base_rate is not None and bck.shard_bytes else None
     rates = Rates(
         exact=rate,
         base=base_rate,

@@ -30,7 +30,7 @@ def build_provenance(plan: BuildPlan, res: SpliceResult) -> dict:
     for sid, a in plan.sources.items():
         spec = recipe.base if sid == "base" else recipe.donors[sid]
         files = [_file(res.sources[sid][n].record) for n in plan.used_files.get(sid, [])]
-        sources[sid] = {**spec.as_record(), "rate": _rate(a.rate), "files": files}
+        sources[sid] = {**spec.as_record(), "rate": _rate(a.nominal_rate), "files": files}
     tensors = [
         {
             "name": t.name,

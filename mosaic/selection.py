@@ -170,14 +170,30 @@ def _check_loadable(sel: Selection, rules: dict[str, int], recipe: Recipe) -> No
         )
 
 
-def select(recipe: Recipe, base: Analysis, donors: dict[str, Analysis]) -> Selection:
+def pick(recipe: Recipe, base: Analysis) -> dict[int, dict[str, set[str]]]:
+    """What each rule takes from the base: rule index -> module key -> tensor suffixes."""
+    return {rule.index: _rule_modules(rule, base, recipe) for rule in recipe.rules}
+
+
+def donor_modules(recipe: Recipe, picks: dict[int, dict[str, set[str]]]) -> dict[str, set[str]]:
+    """Module keys each donor must supply: all a donor needs to be opened for."""
+    out: dict[str, set[str]] = {d: set() for d in recipe.donors}
+    for rule in recipe.rules:
+        out[rule.donor].update(picks[rule.index])
+    return out
+
+
+def select(
+    recipe: Recipe, base: Analysis, donors: dict[str, Analysis], picks: dict[int, dict[str, set[str]]] | None = None
+) -> Selection:
     """Apply the recipe's rules to the base and donors; raise on anything that cannot be built."""
+    picks = picks if picks is not None else pick(recipe, base)
     sel = Selection(result=dict(base.modules))
     rule_of_module: dict[str, int] = {}
     for did, d in donors.items():
         check_architecture(base, d, did)
     for rule in recipe.rules:
-        picked = _rule_modules(rule, base, recipe)
+        picked = picks[rule.index]
         sel.modules_of_rule[rule.index] = list(picked)
         donor = donors[rule.donor]
         for key, suffixes in picked.items():
