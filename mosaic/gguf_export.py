@@ -57,6 +57,7 @@ from .gguf_format import (
     layout,
     type_name,
 )
+from .gguf_vocab import Vocab, convert_vocab
 from .hashing import digest_file
 from .progress import SILENT, Reporter
 
@@ -138,6 +139,7 @@ class ExportPlan:
     shards: list[list[OutTensor]] = field(default_factory=list)
     layouts: list[Layout] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    vocab: Vocab | None = None
 
 
 # ---- mapping ------------------------------------------------------------------------------------------------
@@ -353,7 +355,9 @@ def plan_export(src: str | os.PathLike[str], name: str | None = None) -> ExportP
             raise GGUFExportError(f"{t.name}: two source tensors map to this GGUF name")
         seen.add(t.name)
     kvs = _metadata(arch_name, arch_key, ckpt.config, qc, name or ckpt.root.name)
-    return ExportPlan(ckpt.root, arch_name, kvs, flat, omitted)
+    vocab = convert_vocab(ckpt.root, ckpt.config)
+    kvs += vocab.kvs
+    return ExportPlan(ckpt.root, arch_name, kvs, flat, omitted, vocab=vocab)
 
 
 def _exl3_bytes(m: Module) -> int:
@@ -557,6 +561,7 @@ def export_gguf(
             "format": {"container": "gguf", "version": 3, "alignment": 32, "runtime": "ranma.cpp (EXL3 tensor types)"},
             "architecture": plan.architecture,
             "source": {"name": plan.source.name, "path": _source_path_record(srcp), "files": src_files},
+            "tokenizer": plan.vocab.record() if plan.vocab else None,
             "split": {"max_size": split_max_size, "no_tensor_first_split": no_tensor_first_split,
                       "count": len(plan.names)},
             "files": files,
