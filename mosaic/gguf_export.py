@@ -20,6 +20,10 @@ Names and keys come from gguf-py's tables (``gguf.MODEL_ARCH_NAMES``, ``gguf.get
 a tensor those tables cannot name is refused, never guessed. MTP layers (index >= num_hidden_layers)
 and vision towers are left out (the fork's converter does not convert them either) and listed.
 
+The tokenizer metadata (``tokenizer.ggml.*``, ``tokenizer.chat_template``) comes from
+:mod:`mosaic.gguf_vocab`; a checkpoint whose tokenizer it cannot convert exactly is refused, since
+ranma.cpp does not load a file without one.
+
 Memory is bounded by a few 8 MiB buffers whatever the size of a stacked tensor; the output is
 written into a temporary sibling folder, read back once and checked, then renamed.
 """
@@ -602,5 +606,6 @@ def export_summary(res: ExportResult) -> dict[str, object]:
         "tensors": len(doc["tensors"]),
         "exl3_tensors": sum(1 for t in doc["tensors"] if t["layout"] == "exl3-retile"),
         "omitted": {"mtp_tensors": reasons.get("mtp", 0), "vision_tensors": reasons.get("vision", 0)},
+        "tokenizer": {k: doc["tokenizer"][k] for k in ("model", "pre", "tokens")} if doc.get("tokenizer") else None,
         "manifest": MANIFEST,
     }

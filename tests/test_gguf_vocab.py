@@ -204,6 +204,14 @@ def _export_fails(src: Path, tmp_path: Path, *needles: str) -> None:
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_reports_the_tokenizer(llama_src, tmp_path):
+    res = CliRunner().invoke(main, ["export", "gguf", str(llama_src), "--out", str(tmp_path / "j"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["tokenizer"] == {"model": "gpt2", "pre": "llama-bpe", "tokens": 512}
+    res = CliRunner().invoke(main, ["export", "gguf", str(llama_src), "--out", str(tmp_path / "h")])
+    assert res.exit_code == 0 and "tokenizer: gpt2 (llama-bpe pre-tokenizer), 512 tokens" in res.stdout
+
+
 def test_refuses_unknown_pre_tokenizer_regex(llama_src, tmp_path):
     bad = LLAMA3_REGEX.replace("\\p{N}{1,3}", "\\p{N}{1,4}")
 
