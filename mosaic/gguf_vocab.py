@@ -367,4 +367,6 @@ def convert_vocab(folder: str | Path, config: dict | None = None) -> Vocab:
         raise VocabError(f"{root}: named chat templates (a list) are not exported")
     kvs = _writer_kvs(gw.kv_data[0])
     files = [_file_record(root / n) for n in used]
-    return Vocab("gpt2", pre, kvs, files, [m for m in handler.messages if m.strip()])
+    # gguf-py's warnings go into manifest.json: never with the source's absolute path (outputs are deterministic)
+    notes = [m.replace(str(root.resolve()), ".").replace(str(root), ".") for m in handler.messages if m.strip()]
+    return Vocab("gpt2", pre, kvs, files, notes)
