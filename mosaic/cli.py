@@ -189,6 +189,9 @@ def export_gguf_cmd(directory: Path, out: Path, split_max_size: str, no_tensor_f
               f"({summary['exl3_tensors']} EXL3), {summary['size']:,} bytes in {len(summary['files'])} files")
     for f in summary["files"]:
         con.print(f"  {f['name']}  {f['size']:,}")
+    tok = summary["tokenizer"]
+    if tok:
+        con.print(f"tokenizer: {tok['model']} ({tok['pre']} pre-tokenizer), {tok['tokens']:,} tokens")
     om = summary["omitted"]
     if om["mtp_tensors"] or om["vision_tensors"]:
         con.print(f"left out (not converted; listed in manifest.json): {om['mtp_tensors']} MTP-layer tensors, "

@@ -6,6 +6,9 @@ unlisted file, no link), every shard's structure, the split keys across shards, 
 and digest. With ``sources``, every tensor is rebuilt from the safetensors tensors it claims to come
 from and compared by digest: the trellis re-tiling is recomputed here independently, whole source
 tensor at a time, as the fork's ``to_ggml`` states it (``[K/16, N/16, w] -> [N/128, K/16, 8, w]``).
+The tokenizer keys of the first shard must be complete and consistent whenever tokens are there;
+with ``sources`` they must equal a fresh conversion of the source's tokenizer files
+(:mod:`mosaic.gguf_vocab`), whose digests must equal those manifest.json records.
 The report uses :mod:`mosaic.audit`'s classes so the CLI renders it like a mosaic audit.
 """
 
@@ -21,13 +24,17 @@ import numpy as np
 from .audit import AuditReport, _walk
 from .checkpoint import check_relative_name, load_json, open_checkpoint
 from .errors import MosaicError
-from .gguf_format import GGUFError, GGUFFile, exl3_bits2, read_gguf
+from .gguf_format import ARRAY, INT32, STRING, UINT32, GGUFError, GGUFFile, exl3_bits2, read_gguf
 from .hashing import digest_file, parallel_map
 from .progress import SILENT, Reporter
 
 MANIFEST = "manifest.json"
 SCHEMA = "mosaic.gguf-manifest/v1"
-CHECKS = ("folder", "manifest", "gguf", "split", "tensors", "sources")
+CHECKS = ("folder", "manifest", "gguf", "split", "tokenizer", "tensors", "sources")
+TOK = "tokenizer.ggml."
+#: special token id keys (gguf-py Keys.Tokenizer) that must name a token when present
+_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "seperator_token_id",
+            "mask_token_id", "eot_token_id", "eom_token_id")
 _SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
@@ -186,6 +193,7 @@ def audit_gguf(
         digests.update({f"{n}\0{k}": v for k, v in tdig.items()})
     if parsed:
         _split_checks(rep, parsed)
+        _tokenizer_checks(rep, parsed, doc)
 
     for n, g in parsed.items():
         entries = {t["name"]: t for t in tensors_by_file.get(n, [])}
@@ -208,11 +216,101 @@ def audit_gguf(
                   "bytes": total}
 
     if sources:
-        _audit_sources(rep, doc, sources, digests, jobs)
+        _audit_sources(rep, doc, sources, digests, jobs, parsed)
     return rep
 
 
-def _audit_sources(rep: AuditReport, doc: dict, sources: bool | str | Path, digests: dict[str, str], jobs: int) -> None:
+def _first_shard(parsed: dict[str, GGUFFile]) -> tuple[str, GGUFFile] | None:
+    for name in sorted(parsed):
+        if parsed[name].value("split.no") == 0:
+            return name, parsed[name]
+    return None
+
+
+def _tokenizer_checks(rep: AuditReport, parsed: dict[str, GGUFFile], doc: dict) -> None:
+    """When the first shard has tokens: the keys llama.cpp needs with them, of the right types and sizes."""
+    first = _first_shard(parsed)
+    if first is None:
+        return
+    name, g = first
+    rec = doc.get("tokenizer")
+    tokens = g.kvs.get(TOK + "tokens")
+    if tokens is None:
+        if rec is not None or any(k.startswith(TOK) for k in g.kvs):
+            rep.fail("tokenizer", "tokenizer keys or a manifest tokenizer record without tokenizer.ggml.tokens", file=name)
+        return
+    if tokens.vtype != ARRAY or tokens.item != STRING or not tokens.value:
+        rep.fail("tokenizer", "tokenizer.ggml.tokens is not a non-empty array of strings", file=name)
+        return
+    n = len(tokens.value)  # type: ignore[arg-type]
+    model = g.kvs.get(TOK + "model")
+    if model is None or model.vtype != STRING or not model.value:
+        rep.fail("tokenizer", "tokenizer.ggml.model is missing; llama.cpp cannot pick a tokenizer", file=name)
+    needed = ["token_type"] + (["pre", "merges"] if model is not None and model.value == "gpt2" else [])
+    for key in needed:
+        if TOK + key not in g.kvs:
+            rep.fail("tokenizer", f"{TOK}{key} is missing while the tokens are present", file=name)
+    types = g.kvs.get(TOK + "token_type")
+    if types is not None and (types.vtype != ARRAY or types.item != INT32 or len(types.value) != n  # type: ignore[arg-type]
+                              or not all(1 <= t <= 6 for t in types.value)):  # type: ignore[union-attr]
+        rep.fail("tokenizer", f"tokenizer.ggml.token_type is not {n} token types (i32, 1..6)", file=name)
+    merges = g.kvs.get(TOK + "merges")
+    if merges is not None and (merges.vtype != ARRAY or merges.item != STRING
+                               or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges.value)):  # type: ignore[union-attr]
+        rep.fail("tokenizer", "tokenizer.ggml.merges is not an array of 'left right' strings", file=name)
+    for key in _ID_KEYS:
+        kv = g.kvs.get(TOK + key)
+        if kv is not None and (kv.vtype != UINT32 or not 0 <= kv.value < n):  # type: ignore[operator]
+            rep.fail("tokenizer", f"{TOK}{key} = {kv.value!r} is not a u32 token id below {n}", file=name)
+    if isinstance(rec, dict):
+        for key, have in (("model", model.value if model else None), ("pre", g.value(TOK + "pre")), ("tokens", n)):
+            if rec.get(key) != have:
+                rep.fail("tokenizer", f"tokenizer {key}: the file has {have!r}, manifest.json says {rec.get(key)!r}",
+                         file=name)
+
+
+def _tokenizer_sources(rep: AuditReport, doc: dict, src: Path, config: dict | None, parsed: dict[str, GGUFFile]) -> None:
+    """The tokenizer keys against a fresh conversion of the source's files, and those files' digests."""
+    from .gguf_vocab import convert_vocab
+
+    first = _first_shard(parsed)
+    if first is None:
+        return
+    name, g = first
+    rec = doc.get("tokenizer")
+    if not isinstance(rec, dict):
+        if any(k.startswith("tokenizer.") for k in g.kvs):
+            rep.fail("sources", "the first shard has tokenizer keys but manifest.json records no tokenizer", file=name)
+        return
+    try:
+        fresh = convert_vocab(src, config)
+    except MosaicError as e:
+        rep.fail("sources", f"the source tokenizer cannot be converted: {e}")
+        return
+    recorded = {f.get("name"): f for f in rec.get("files") or [] if isinstance(f, dict)}
+    for f in fresh.files:
+        r = recorded.pop(f["name"], None)
+        if r is None:
+            rep.fail("sources", "source tokenizer file not recorded in manifest.json", file=str(f["name"]))
+        elif (r.get("size"), r.get("sha256")) != (f["size"], f["sha256"]):
+            rep.fail("sources", f"source tokenizer file has SHA-256 {f['sha256']}, manifest.json says {r.get('sha256')}",
+                     file=str(f["name"]))
+    for n in recorded:
+        rep.fail("sources", "manifest.json records a tokenizer file the conversion does not use", file=str(n))
+    want = {kv.key: kv for kv in fresh.kvs}
+    have = {k: kv for k, kv in g.kvs.items() if k.startswith("tokenizer.")}
+    for key in sorted(set(want) | set(have)):
+        w, h = want.get(key), have.get(key)
+        if w is None:
+            rep.fail("sources", f"{key} is in the file but not in a fresh conversion of the source tokenizer", file=name)
+        elif h is None:
+            rep.fail("sources", f"{key} is missing; a fresh conversion of the source tokenizer has it", file=name)
+        elif (w.vtype, w.item, w.value) != (h.vtype, h.item, h.value):
+            rep.fail("sources", f"{key} differs from a fresh conversion of the source tokenizer", file=name)
+
+
+def _audit_sources(rep: AuditReport, doc: dict, sources: bool | str | Path, digests: dict[str, str], jobs: int,
+                   parsed: dict[str, GGUFFile]) -> None:
     if sources is True:
         rec = (doc.get("source") or {}).get("path")
         if not isinstance(rec, str) or not rec or os.path.isabs(rec):
@@ -226,6 +324,7 @@ def _audit_sources(rep: AuditReport, doc: dict, sources: bool | str | Path, dige
     except MosaicError as e:
         rep.fail("sources", f"cannot open the source checkpoint: {e}")
         return
+    _tokenizer_sources(rep, doc, src, ckpt.config, parsed)
     wanted: dict[str, list[str]] = {}
     for t in doc["tensors"]:
         for s in t["sources"]:

@@ -20,6 +20,10 @@ Names and keys come from gguf-py's tables (``gguf.MODEL_ARCH_NAMES``, ``gguf.get
 a tensor those tables cannot name is refused, never guessed. MTP layers (index >= num_hidden_layers)
 and vision towers are left out (the fork's converter does not convert them either) and listed.
 
+The tokenizer metadata (``tokenizer.ggml.*``, ``tokenizer.chat_template``) comes from
+:mod:`mosaic.gguf_vocab`; a checkpoint whose tokenizer it cannot convert exactly is refused, since
+ranma.cpp does not load a file without one.
+
 Memory is bounded by a few 8 MiB buffers whatever the size of a stacked tensor; the output is
 written into a temporary sibling folder, read back once and checked, then renamed.
 """
@@ -57,6 +61,7 @@ from .gguf_format import (
     layout,
     type_name,
 )
+from .gguf_vocab import Vocab, convert_vocab
 from .hashing import digest_file
 from .progress import SILENT, Reporter
 
@@ -138,6 +143,7 @@ class ExportPlan:
     shards: list[list[OutTensor]] = field(default_factory=list)
     layouts: list[Layout] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    vocab: Vocab | None = None
 
 
 # ---- mapping ------------------------------------------------------------------------------------------------
@@ -353,7 +359,9 @@ def plan_export(src: str | os.PathLike[str], name: str | None = None) -> ExportP
             raise GGUFExportError(f"{t.name}: two source tensors map to this GGUF name")
         seen.add(t.name)
     kvs = _metadata(arch_name, arch_key, ckpt.config, qc, name or ckpt.root.name)
-    return ExportPlan(ckpt.root, arch_name, kvs, flat, omitted)
+    vocab = convert_vocab(ckpt.root, ckpt.config)
+    kvs += vocab.kvs
+    return ExportPlan(ckpt.root, arch_name, kvs, flat, omitted, vocab=vocab)
 
 
 def _exl3_bytes(m: Module) -> int:
@@ -557,6 +565,7 @@ def export_gguf(
             "format": {"container": "gguf", "version": 3, "alignment": 32, "runtime": "ranma.cpp (EXL3 tensor types)"},
             "architecture": plan.architecture,
             "source": {"name": plan.source.name, "path": _source_path_record(srcp), "files": src_files},
+            "tokenizer": plan.vocab.record() if plan.vocab else None,
             "split": {"max_size": split_max_size, "no_tensor_first_split": no_tensor_first_split,
                       "count": len(plan.names)},
             "files": files,
@@ -597,5 +606,6 @@ def export_summary(res: ExportResult) -> dict[str, object]:
         "tensors": len(doc["tensors"]),
         "exl3_tensors": sum(1 for t in doc["tensors"] if t["layout"] == "exl3-retile"),
         "omitted": {"mtp_tensors": reasons.get("mtp", 0), "vision_tensors": reasons.get("vision", 0)},
+        "tokenizer": {k: doc["tokenizer"][k] for k in ("model", "pre", "tokens")} if doc.get("tokenizer") else None,
         "manifest": MANIFEST,
     }

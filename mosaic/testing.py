@@ -3,8 +3,9 @@
 :func:`write_checkpoint` lays out a folder the way exllamav3's converter does: EXL3 linears as
 ``trellis``/``suh``/``svh``/marker groups, routed experts one module per expert, whole layers packed
 greedily into ``model-0000K-of-0000N.safetensors`` shards with an index, a ``config.json`` carrying
-``quantization_config``, ``quantization_config.json`` in exllamav3's exact shape, and tokenizer-like
-extra files. Tensor bytes are deterministic pseudo-random bytes (markers hold their real values).
+``quantization_config``, ``quantization_config.json`` in exllamav3's exact shape, and the extra files
+of a model repository (a small byte-level BPE ``tokenizer.json`` and ``tokenizer_config.json`` in the
+style of the geometry's family, ``generation_config.json``, ``chat_template.jinja``). Tensor bytes are deterministic pseudo-random bytes (markers hold their real values).
 
 Two header styles: ``"library"`` writes each shard through the ``safetensors`` library (padded,
 sorted by dtype then name, ``__metadata__``), ``"exl3"`` mimics exllamav3's own writer (minified,
@@ -273,6 +274,86 @@ def _rate(shards: list[list[_Tensor]], g: Geometry) -> float:
     return round(num / den, 2) if den else 0.0
 
 
+#: The pre-tokenizer regexes of Llama-3 and Qwen2/Qwen3 as their tokenizer.json files spell them.
+LLAMA3_REGEX = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+                "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+QWEN2_REGEX = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+               "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+#: (left, right) merges of the toy tokenizers, in rank order; every result is a vocabulary entry.
+TOY_MERGES = (("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġ", "s"))
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character table, the 256 base tokens of a byte-level BPE vocabulary."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def tokenizer_files(g: Geometry) -> tuple[dict, dict]:
+    """A small but real byte-level BPE ``tokenizer.json`` and its ``tokenizer_config.json``: the 256 byte
+    tokens, :data:`TOY_MERGES` and their results, then the added tokens. Llama geometries get Llama-3's
+    regex, string merges and a BOS template; the others Qwen2/Qwen3's regex, NFC, pair merges and
+    ``<think>`` as a non-special added token. Every id is below ``g.vocab`` (config.json pads to it)."""
+    llama = g.arch == "llama"
+    vocab = {c: i for i, c in enumerate(byte_level_alphabet())}
+    for a, b in TOY_MERGES:
+        vocab.setdefault(a + b, len(vocab))
+    if llama:
+        names = [("<|begin_of_text|>", True), ("<|end_of_text|>", True), ("<|start_header_id|>", True),
+                 ("<|end_header_id|>", True), ("<|eot_id|>", True)]
+    else:
+        names = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<think>", False),
+                 ("</think>", False)]
+    added = [{"id": len(vocab) + i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": sp} for i, (c, sp) in enumerate(names)]
+    if added[-1]["id"] >= g.vocab:
+        raise ValueError(f"vocab {g.vocab} is too small for the toy tokenizer ({added[-1]['id'] + 1} tokens)")
+    split = {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX if llama else QWEN2_REGEX},
+             "behavior": "Isolated", "invert": False}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": llama, "use_regex": False}
+    tok: dict[str, object] = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None if llama else {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": llama,
+                  "vocab": vocab,
+                  "merges": [f"{a} {b}" for a, b in TOY_MERGES] if llama else [[a, b] for a, b in TOY_MERGES]},
+    }
+    decoder = {str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+               for t in added}
+    if llama:
+        bos = {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}
+        tok["post_processor"] = {"type": "Sequence", "processors": [
+            tok["post_processor"],
+            {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+             "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, bos, {"Sequence": {"id": "B", "type_id": 1}}],
+             "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [added[0]["id"]],
+                                                      "tokens": ["<|begin_of_text|>"]}}},
+        ]}
+        config = {"added_tokens_decoder": decoder, "bos_token": "<|begin_of_text|>", "clean_up_tokenization_spaces": True,
+                  "eos_token": "<|eot_id|>", "model_max_length": 32768, "tokenizer_class": "PreTrainedTokenizerFast",
+                  "chat_template": "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
+                                   "\n\n{{ m.content }}<|eot_id|>{% endfor %}"}
+    else:
+        config = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": decoder, "bos_token": None,
+                  "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+                  "model_max_length": 32768, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+                  "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    return tok, config
+
+
 def write_checkpoint(out: str | Path, g: Geometry) -> Path:
     """Write a synthetic EXL3 checkpoint of geometry ``g`` into the new folder ``out``."""
     outp = Path(out)
@@ -338,8 +419,9 @@ def write_checkpoint(out: str | Path, g: Geometry) -> Path:
     (outp / "quantization_config.json").write_text(json.dumps({**qcfg, "tensor_storage": storage}, indent=4))
 
     if g.extra_files:
-        (outp / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}}}))
-        (outp / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 32768}, indent=2))
+        tok, tok_config = tokenizer_files(g)
+        (outp / "tokenizer.json").write_text(json.dumps(tok, indent=2, ensure_ascii=False))
+        (outp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
         (outp / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6}, indent=2))
         (outp / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}\n")
     return outp
