@@ -147,6 +147,7 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
     bck = base.ckpt
     shards: list[ShardPlan] = []
     used: dict[str, set[str]] = {sid: set() for sid in sources}
+    paths: dict[tuple[str, str], str] = {}
     for shard in bck.shards:
         h = bck.headers[shard]
         used["base"].add(shard)
@@ -163,10 +164,14 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
             sid = selection.donor_of.get(t.name, "base")
             ck = sources[sid].ckpt
             sfile = ck.tensor_file[t.name]
-            st = ck.tensor(t.name)
-            a, _ = ck.headers[sfile].file_range(t.name)
+            sh = ck.headers[sfile]
+            st = sh[t.name]
+            a = sh.data_start + st.begin
             used[sid].add(sfile)
-            outs.append(OutTensor(t.name, st.dtype, st.shape, st.nbytes, str(ck.root / sfile), a))
+            path = paths.get((sid, sfile))
+            if path is None:
+                path = paths[(sid, sfile)] = str(ck.root / sfile)
+            outs.append(OutTensor(t.name, st.dtype, st.shape, st.nbytes, path, a))
             origin.append((sid, sfile, a))
         layout = layout_shard(outs, h.metadata)
         tensors = [

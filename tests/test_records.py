@@ -1,0 +1,58 @@
+"""PROVENANCE serialization and schema checks: exact round trips, and the fast path never lenient."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mosaic.records import _surely_valid_tensor, _validator, dumps, schema
+
+EXAMPLES = int(os.environ.get("MOSAIC_FUZZ_EXAMPLES", "300"))
+_text = st.text(max_size=12)
+_tensor = st.fixed_dictionaries(
+    {
+        "name": st.one_of(_text, st.integers()),
+        "file": st.one_of(st.sampled_from(["a.safetensors", "../x", "/abs", "d/e", "C:x", "a\\b", ""]), _text),
+        "dtype": st.one_of(st.sampled_from(["F16", "I16", ""]), _text),
+        "shape": st.one_of(st.lists(st.one_of(st.integers(-2, 5), st.booleans(), st.floats(0, 3)), max_size=3), st.none()),
+        "nbytes": st.one_of(st.integers(-2, 10), st.floats(0, 2), st.booleans()),
+        "sha256": st.one_of(st.just("a" * 64), st.just("A" * 64), st.just("a" * 63), _text),
+        "source": st.one_of(st.sampled_from(["base", "q3", "Q3", "a b", ""]), _text),
+    },
+    optional={"extra": st.integers()},
+)
+
+
+@settings(max_examples=EXAMPLES * 3, deadline=None)
+@given(t=_tensor)
+def test_fast_tensor_check_never_accepts_what_the_schema_rejects(t: dict) -> None:
+    item_schema = {**schema()["properties"]["tensors"]["items"], "$defs": schema()["$defs"]}
+    if _surely_valid_tensor(t):
+        assert not list(_validator().evolve(schema=item_schema).iter_errors(t))
+
+
+_json = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False), _text),
+    lambda children: st.one_of(st.lists(children, max_size=3), st.dictionaries(_text, children, max_size=3)),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    doc=st.fixed_dictionaries(
+        {
+            "schema": _text,
+            "sources": st.dictionaries(_text, st.fixed_dictionaries({"path": _text, "files": st.lists(_json, max_size=3)}), max_size=2),
+            "tensors": st.lists(_json, max_size=4),
+            "rate": _json,
+        }
+    )
+)
+def test_dumps_round_trips(doc: dict) -> None:
+    data = dumps(doc)
+    assert json.loads(data) == doc
+    assert dumps(json.loads(data)) == data
