@@ -23,6 +23,7 @@ from .card import render_card
 from .census import Analysis, analyze
 from .checkpoint import open_checkpoint
 from .errors import OutputError, SourceError
+from .faults import point as fault_point
 from .hashing import sha256_bytes
 from .plan import BuildPlan, make_plan
 from .progress import SILENT, Reporter
@@ -132,12 +133,15 @@ def _finish(plan: BuildPlan, res: SpliceResult, tmp: Path) -> dict:
     doc = build_provenance(plan, res)
     card = render_card(doc)
     (tmp / CARD_NAME).write_bytes(card)
+    fault_point("card")
     res.files[CARD_NAME] = FileRecord(CARD_NAME, len(card), sha256_bytes(card))
     doc["files"] = [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in sorted(res.files.values(), key=lambda r: r.name)]
     data = checked_dumps(doc)
     (tmp / PROVENANCE_NAME).write_bytes(data)
+    fault_point("provenance")
     records = [*res.files.values(), FileRecord(PROVENANCE_NAME, len(data), sha256_bytes(data))]
     (tmp / MANIFEST_NAME).write_bytes(manifest(records))
+    fault_point("manifest")
     return doc
 
 
@@ -168,6 +172,7 @@ def build(
     clean_stale_partials(out_dir)
 
     plan = plan_build(recipe)
+    fault_point("plan")
     sources_resolved = {sid: a.ckpt.root.resolve() for sid, a in plan.sources.items()}
     o = out_dir.resolve()
     if any(o == r or o in r.parents or r in o.parents for r in sources_resolved.values()):
@@ -181,9 +186,12 @@ def build(
         with _sigterm_as_interrupt():
             res = splice(plan, tmp, jobs=jobs, link=link, progress=progress)
             doc = _finish(plan, res, tmp)
+            _fsync_dir(tmp)
+            fault_point("rename")
             if out_dir.exists():
                 old = parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-previous"
                 os.rename(out_dir, old)
+                fault_point("swap")
             os.rename(tmp, out_dir)
             _fsync_dir(parent)
     except BaseException:

@@ -17,6 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .faults import CANCEL, check_cancel
+
 CHUNK_SIZE = 8 << 20
 RING = 3
 T = TypeVar("T")
@@ -96,6 +98,7 @@ def digest_file(
         _advise_sequential(f.fileno())
         slot = 0
         while True:
+            check_cancel()
             for fut in pending[slot]:
                 fut.result()
             buf = bufs[slot]
@@ -129,5 +132,16 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], jobs: int) -> list[R]
     items = list(items)
     if jobs <= 1 or len(items) <= 1:
         return [fn(i) for i in items]
-    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="mosaic-io") as ex:
-        return list(ex.map(fn, items))
+    ex = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="mosaic-io")
+    futures = [ex.submit(fn, i) for i in items]
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        # stop the other workers between chunks rather than after their whole file
+        CANCEL.set()
+        for f in futures:
+            f.cancel()
+        raise
+    finally:
+        ex.shutdown(wait=True)
+        CANCEL.clear()

@@ -20,6 +20,8 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .faults import check_cancel
+from .faults import point as fault_point
 from .safetensors_reader import DTYPE_BITS, tensor_nbytes
 
 #: Bytes copied per step when the kernel copy is not available; bounds memory per shard.
@@ -182,12 +184,14 @@ def write_shard(
         for src_path, src_off, dst_off, count in runs:
             src = fds[src_path]
             pos = 0
-            while pos < count:  # bounded steps, so progress moves on large tensors too
-                step = min(count - pos, 256 << 20)
+            while pos < count:  # bounded steps: progress moves and Ctrl-C is honoured on large tensors too
+                check_cancel()
+                step = min(count - pos, 64 << 20)
                 methods.add(copy_range(src, dst, step, src_off + pos, dst_off + pos, buf=buf, kernel=kernel_copy))
                 pos += step
                 if on_bytes:
                     on_bytes(step)
+                fault_point("copy")
         os.ftruncate(dst, layout.size)
         os.fsync(dst)
     finally:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import VerificationError
+from .faults import point as fault_point
 from .hashing import digest_file, parallel_map
 from .plan import BuildPlan, ShardPlan
 from .progress import SILENT, Reporter
@@ -92,6 +93,7 @@ def digest_sources(plan: BuildPlan, jobs: int, progress: Reporter = SILENT) -> d
         expected = h.file_size if h else None
         if expected is not None and d.size != expected:
             raise VerificationError(f"source {sid!r}: {name} changed size while the build ran ({expected} -> {d.size})")
+        fault_point("source")
         return sid, name, SourceFile(FileRecord(name, d.size, d.sha256), dict(zip(names, d.ranges)))
 
     out: dict[str, dict[str, SourceFile]] = {sid: {} for sid in plan.used_files}
@@ -157,7 +159,10 @@ def splice(
             m = "+".join(sorted(ms)) or "header only"
         with lock:
             methods[shard.name] = m
-        return _verify_shard(shard, dst, sources, adv_verify)
+        fault_point("written")
+        out = _verify_shard(shard, dst, sources, adv_verify)
+        fault_point("verified")
+        return out
 
     results = parallel_map(write_one, plan.shards, jobs)
     files: dict[str, FileRecord] = {}
@@ -178,6 +183,7 @@ def splice(
         if (d.size, d.sha256) != (src.size, src.sha256):
             problems.append(f"{f.name}: copy differs from the base file")
         files[f.name] = FileRecord(f.name, d.size, d.sha256)
+        fault_point("carried")
 
     for name, data in plan.generated.items():
         dst = out_dir / name
@@ -185,6 +191,7 @@ def splice(
             fo.write(data)
             os.fsync(fo.fileno())
         adv_write(len(data))
+        fault_point("metadata")
         d = digest_file(dst)
         if d.size != len(data):
             problems.append(f"{name}: {d.size} bytes written, {len(data)} planned")
