@@ -73,6 +73,20 @@ def plan_build(recipe: Recipe) -> BuildPlan:
     return make_plan(recipe, {"base": base, **donors}, selection)
 
 
+def _verified_digests(recipe: Recipe) -> dict[str, dict[str, str]]:
+    """Digests of hub sources that ``mosaic fetch`` verified and that are unchanged since: those
+    files need not be hashed again (only the tensors taken from them are read)."""
+    out: dict[str, dict[str, str]] = {}
+    for sid, spec in {"base": recipe.base, **recipe.donors}.items():
+        if spec.repo is not None and spec.revision is not None:
+            from .hub import verified_digests
+
+            d = verified_digests(spec.repo, spec.revision)
+            if d:
+                out[sid] = d
+    return out
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -184,7 +198,7 @@ def build(
     old: Path | None = None
     try:
         with _sigterm_as_interrupt():
-            res = splice(plan, tmp, jobs=jobs, link=link, progress=progress)
+            res = splice(plan, tmp, jobs=jobs, link=link, progress=progress, known=_verified_digests(recipe))
             doc = _finish(plan, res, tmp)
             _fsync_dir(tmp)
             fault_point("rename")

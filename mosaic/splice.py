@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .errors import VerificationError
 from .faults import point as fault_point
-from .hashing import digest_file, parallel_map
+from .hashing import digest_file, digest_ranges, parallel_map
 from .plan import BuildPlan, ShardPlan
 from .progress import SILENT, Reporter
 from .records import FileRecord
@@ -77,24 +77,64 @@ def _link_or_copy(src: Path, dst: Path) -> str:
     return _copy_whole(src, dst)
 
 
-def digest_sources(plan: BuildPlan, jobs: int, progress: Reporter = SILENT) -> dict[str, dict[str, SourceFile]]:
-    """Step 1: read every source file the plan uses once; file and per-tensor digests."""
+def _used_tensors(plan: BuildPlan) -> dict[tuple[str, str], set[str]]:
+    """Per source file, the tensors whose digests the verification needs."""
+    used: dict[tuple[str, str], set[str]] = {}
+    for shard in plan.shards:
+        for t in shard.tensors:
+            used.setdefault((t.source, t.source_file), set()).add(t.name)
+    return used
+
+
+def _untouched(plan: BuildPlan) -> set[str]:
+    return {s.name for s in plan.shards if s.untouched}
+
+
+def digest_sources(
+    plan: BuildPlan,
+    jobs: int,
+    progress: Reporter = SILENT,
+    known: dict[str, dict[str, str]] | None = None,
+) -> dict[str, dict[str, SourceFile]]:
+    """Step 1: the digest of every source file the plan uses, and of each tensor it takes from it.
+
+    A file is read once, both digests together. When ``known`` gives a file's SHA-256 (verified
+    when it was downloaded and unchanged since), only the tensors taken from it are read."""
+    known = known or {}
+    used = _used_tensors(plan)
+    # an untouched shard whose digest is trusted needs no read here: its copy is read back (and
+    # compared with that digest) once, which gives its tensors' digests too
+    for name in _untouched(plan):
+        if name in known.get("base", {}):
+            used.pop(("base", name), None)
     work: list[tuple[str, str]] = [(sid, name) for sid, names in plan.used_files.items() for name in names]
-    total = sum((plan.sources[sid].ckpt.root / n).stat().st_size for sid, n in work)
-    advance = progress.step("hashing sources", total)
+
+    def cost(item: tuple[str, str]) -> int:
+        sid, name = item
+        ck = plan.sources[sid].ckpt
+        if name in known.get(sid, {}) and name in ck.headers:
+            return sum(ck.tensor(n).nbytes for n in used.get(item, ()))
+        return (ck.root / name).stat().st_size
+
+    advance = progress.step("hashing sources", sum(cost(w) for w in work))
 
     def one(item: tuple[str, str]) -> tuple[str, str, SourceFile]:
         sid, name = item
         ck = plan.sources[sid].ckpt
         h = ck.headers.get(name)
-        names = [t.name for t in h.tensors] if h else []
+        names = sorted(used.get(item, ()), key=lambda n: h[n].begin) if h else []
         ranges = [h.file_range(n) for n in names] if h else []
-        d = digest_file(ck.root / name, ranges, on_bytes=advance)
-        expected = h.file_size if h else None
-        if expected is not None and d.size != expected:
-            raise VerificationError(f"source {sid!r}: {name} changed size while the build ran ({expected} -> {d.size})")
+        trusted = known.get(sid, {}).get(name)
+        if trusted is not None and h is not None:
+            digests = digest_ranges(ck.root / name, ranges, on_bytes=advance)
+            record = FileRecord(name, h.file_size, trusted)
+        else:
+            d = digest_file(ck.root / name, ranges, on_bytes=advance)
+            if h is not None and d.size != h.file_size:
+                raise VerificationError(f"source {sid!r}: {name} changed size while the build ran ({h.file_size} -> {d.size})")
+            digests, record = d.ranges, FileRecord(name, d.size, d.sha256)
         fault_point("source")
-        return sid, name, SourceFile(FileRecord(name, d.size, d.sha256), dict(zip(names, d.ranges)))
+        return sid, name, SourceFile(record, dict(zip(names, digests)))
 
     out: dict[str, dict[str, SourceFile]] = {sid: {} for sid in plan.used_files}
     for sid, name, sf in parallel_map(one, work, jobs):
@@ -107,15 +147,18 @@ def _verify_shard(shard: ShardPlan, path: Path, sources: dict[str, dict[str, Sou
     problems: list[str] = []
     if shard.untouched:
         src = sources["base"][shard.name]
-        if path.stat().st_ino == os.stat(shard.copy_of).st_ino:  # type: ignore[arg-type]
-            advance(shard.size)
+        have_tensors = len(src.tensors) == len(shard.tensors)
+        if have_tensors and path.stat().st_ino == os.stat(shard.copy_of).st_ino:  # type: ignore[arg-type]
+            advance(shard.size)  # a hard link: the very file whose digests step 1 computed
             return FileRecord(shard.name, src.record.size, src.record.sha256), dict(src.tensors), problems
-        d = digest_file(path, on_bytes=advance)
+        ranges = [] if have_tensors else [(t.offset, t.offset + t.nbytes) for t in shard.tensors]
+        d = digest_file(path, ranges, on_bytes=advance)
         if d.size != shard.size:
             problems.append(f"{shard.name}: {d.size} bytes written, {shard.size} planned")
         if d.sha256 != src.record.sha256:
             problems.append(f"{shard.name}: copy differs from the base file")
-        return FileRecord(shard.name, d.size, d.sha256), dict(src.tensors), problems
+        tensors = dict(src.tensors) if have_tensors else {t.name: g for t, g in zip(shard.tensors, d.ranges)}
+        return FileRecord(shard.name, d.size, d.sha256), tensors, problems
     ranges = [(t.offset, t.offset + t.nbytes) for t in shard.tensors]
     d = digest_file(path, ranges, on_bytes=advance)
     if d.size != shard.size:
@@ -136,9 +179,10 @@ def splice(
     jobs: int = 1,
     link: bool = False,
     progress: Reporter = SILENT,
+    known: dict[str, dict[str, str]] | None = None,
 ) -> SpliceResult:
     """Steps 1-3 into the (new, empty) folder ``out_dir``."""
-    sources = digest_sources(plan, jobs, progress)
+    sources = digest_sources(plan, jobs, progress, known)
     write_total = plan.bytes_to_write(link)
     adv_write = progress.step("writing", write_total)
     adv_verify = progress.step("verifying", plan.shard_bytes + sum(f.size for f in plan.carried))

@@ -18,7 +18,7 @@ from safetensors import deserialize
 
 from mosaic.build import PARTIAL_TAG, build
 from mosaic.cli import main
-from mosaic.errors import OutputError, RecipeError, SourceError
+from mosaic.errors import OutputError, RecipeError, SourceError, VerificationError
 from mosaic.provenance import validation_errors
 from mosaic.testing import Geometry, demo_geometry, write_checkpoint
 
@@ -333,3 +333,35 @@ def test_source_error_types(sources, tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path, donors={"q3": {"path": rel(donor, tmp_path)}, "q4": {"path": rel(donor, tmp_path)}}))
     with pytest.raises(SourceError, match="used by no replace rule"):
         build(recipe, out=tmp_path / "o")
+
+
+def test_trusted_source_digests_skip_reads_but_are_still_checked(ckpt_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Digests verified at download let the build skip reading untouched shards and unused tensors;
+    a wrong one is still caught when the copy is read back."""
+    from mosaic import splice as splice_mod
+    from mosaic.build import plan_build
+    from mosaic.hashing import digest_file
+    from mosaic.recipe import load_recipe
+
+    base = ckpt_factory(BASE.with_(shard_size=1 << 20))
+    donor = ckpt_factory(DONOR)
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "layers": [5], "modules": ["mlp.experts"]}], at=tmp_path))
+    plan = plan_build(load_recipe(recipe))
+    (tmp_path / "a").mkdir()
+    plain = splice_mod.splice(plan, tmp_path / "a")
+    known = {
+        "base": {n: digest_file(base / n).sha256 for n in plan.used_files["base"]},
+        "q3": {n: digest_file(donor / n).sha256 for n in plan.used_files["q3"]},
+    }
+    read: list[str] = []
+    real = splice_mod.digest_file
+    monkeypatch.setattr(splice_mod, "digest_file", lambda p, *a, **k: (read.append(str(p)), real(p, *a, **k))[1])
+    (tmp_path / "b").mkdir()
+    trusted = splice_mod.splice(plan, tmp_path / "b", known=known)
+    assert trusted.tensors == plain.tensors and trusted.files == plain.files
+    assert not [p for p in read if p.startswith((str(base), str(donor)))]  # no whole source file was read
+    untouched = next(s.name for s in plan.shards if s.untouched)
+    known["base"][untouched] = "0" * 64
+    (tmp_path / "c").mkdir()
+    with pytest.raises(VerificationError, match=f"{untouched}: copy differs"):
+        splice_mod.splice(plan, tmp_path / "c", known=known)
