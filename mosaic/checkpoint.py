@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .errors import CheckpointError, FormatError
-from .safetensors_reader import ShardHeader, TensorInfo, read_header
+from .safetensors_reader import DuplicateKey, ShardHeader, TensorInfo, read_header, strict_json_loads
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -49,26 +49,14 @@ def check_relative_name(name: object, what: str, where: str) -> str:
 
 def load_json(path: Path, what: str) -> object:
     """Read a JSON file strictly: UTF-8, no duplicate keys, no NaN; errors name the file."""
-
-    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
-        out = dict(items)
-        if len(out) != len(items):
-            seen: set[str] = set()
-            for k, _ in items:
-                if k in seen:
-                    raise FormatError(f"{path}: {what}: duplicate key {k!r}")
-                seen.add(k)
-        return out
-
-    def constant(name: str) -> object:
-        raise FormatError(f"{path}: {what}: non-standard JSON constant {name}")
-
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise FormatError(f"{path}: cannot read {what}: {e.strerror or e}") from None
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+        return strict_json_loads(raw.decode("utf-8"))
+    except DuplicateKey as e:
+        raise FormatError(f"{path}: {what}: duplicate key {e.key!r}") from None
     except UnicodeDecodeError:
         raise FormatError(f"{path}: {what} is not UTF-8") from None
     except RecursionError:

@@ -138,6 +138,14 @@ def _check_length_prefix(path: str, prefix: bytes, file_size: int) -> int:
     return n
 
 
+class DuplicateKey(ValueError):
+    """A JSON object repeats a key (Python's json and Rust's serde would silently keep the last)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     """``object_pairs_hook`` that refuses repeated keys (``dict(pairs)`` keeps this fast at 150k keys)."""
     obj = dict(pairs)
@@ -145,18 +153,19 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
         seen: set[str] = set()
         for k, _ in pairs:
             if k in seen:
-                raise _DuplicateKey(k)
+                raise DuplicateKey(k)
             seen.add(k)
     return obj
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
 def _reject_constant(name: str) -> object:
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+def strict_json_loads(text: str) -> object:
+    """``json.loads`` without duplicate keys or NaN/Infinity. Raises :class:`DuplicateKey`, other
+    ``ValueError`` s, or ``RecursionError`` for absurd nesting; shared by every JSON reader of mosaic."""
+    return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
 
 
 def _decode_json(path: str, raw: bytes) -> dict[str, object]:
@@ -167,8 +176,8 @@ def _decode_json(path: str, raw: bytes) -> dict[str, object]:
     if not text.startswith("{"):
         raise SafetensorsError(path, "InvalidHeaderStart", "header does not start with '{'")
     try:
-        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
-    except _DuplicateKey as e:
+        obj = strict_json_loads(text)
+    except DuplicateKey as e:
         raise SafetensorsError(path, "DuplicateKey", "key appears more than once in the header", key=e.key) from None
     except RecursionError:
         raise SafetensorsError(path, "InvalidHeaderDeserialization", "header JSON is nested too deeply") from None
