@@ -316,6 +316,7 @@ class SizeModel:
         self.shard_of = dict(ck.tensor_file)
         self.base_size = ck.shard_bytes
         self._cache: dict[tuple[str, tuple[tuple[int, str], ...]], int] = {}
+        self._fixed: dict[str, tuple[int, list[int]]] = {}
         self.delta: dict[tuple[int, str], int] = {}
         for u in units:
             for did, d in donors.items():
@@ -349,6 +350,31 @@ class SizeModel:
             low += min(0, len(encode_header(entries, h.metadata)) - h.data_start)
         return low
 
+    def _shard_size(self, shard: str, donor_of: dict[str, str]) -> int:
+        """File size of a rewritten shard: the length of the header :func:`encode_header` writes
+        (compact JSON, padded to 8), counted without building it — each entry's length is fixed
+        text plus the digits of its shape and offsets — plus the tensor bytes."""
+        h = self.base.ckpt.headers[shard]
+        fixed = self._fixed.get(shard)
+        if fixed is None:
+            meta = len(json.dumps({"__metadata__": h.metadata}, separators=(",", ":"), ensure_ascii=False).encode()) - 1 if h.metadata is not None else 1
+            fixed = self._fixed[shard] = (meta, [
+                len(json.dumps(t.name, ensure_ascii=False).encode()) + len(json.dumps(t.dtype)) + len('{"dtype":,"shape":,"data_offsets":[,]}:')
+                for t in h.tensors
+            ])
+        commas = max(len(h.tensors) - 1, 0) + (1 if h.metadata is not None and h.tensors else 0)
+        n = fixed[0] + commas + 1
+        pos = 0
+        for t, f in zip(h.tensors, fixed[1]):
+            if t.name in donor_of:
+                dt = self.donors[donor_of[t.name]].ckpt.tensor(t.name)
+                shape, nbytes = dt.shape, dt.nbytes
+            else:
+                shape, nbytes = t.shape, t.nbytes
+            n += f + len(json.dumps(list(shape), separators=(",", ":"))) + len(str(pos)) + len(str(pos + nbytes))
+            pos += nbytes
+        return 8 + n + (-n % 8) + pos
+
     def size(self, choice: dict[int, str]) -> int:
         """Exact output size when unit ``i`` comes from donor ``choice[i]``."""
         ck = self.base.ckpt
@@ -366,14 +392,7 @@ class SizeModel:
             key = (shard, tuple(sorted(set(picks))))
             if key not in self._cache:
                 donor_of = {n: did for ui, did in key[1] for n in self.unit_tensors[ui]}
-                entries = []
-                for t in h.tensors:
-                    if t.name in donor_of:
-                        dtype, shape, nbytes = self._donor_tensor(donor_of[t.name], t.name)
-                    else:
-                        dtype, shape, nbytes = t.dtype, t.shape, t.nbytes
-                    entries.append((t.name, dtype, shape, nbytes))
-                self._cache[key] = len(encode_header(entries, h.metadata)) + sum(e[3] for e in entries)
+                self._cache[key] = self._shard_size(shard, donor_of)
             total += self._cache[key]
         return total
 
@@ -441,13 +460,15 @@ def _hull(opts: Sequence[Option]) -> tuple[Fraction, list[tuple[int, Fraction]]]
 
 
 def solve_knapsack(options: Sequence[Sequence[Option]], budget: int,
-                   accept: Callable[[list[Option]], bool] | None = None) -> Solution | None:
+                   accept: Callable[[list[Option]], bool] | None = None,
+                   incumbent: Solution | None = None) -> Solution | None:
     """The best choice of at most one option per unit with Σ cost ≤ budget (and ``accept``), exactly.
 
     Maximizes the total score; among equal totals the lexicographically smallest sorted unit list
     (then donor order). Branch and bound over units in order; the bound at a node is the LP
     relaxation of the remaining units (their concave hulls taken by decreasing slope, the last one
-    fractionally), which is a valid upper bound, so pruning never loses the optimum. Costs must be
+    fractionally), which is a valid upper bound, so pruning never loses the optimum. An
+    ``incumbent`` (a feasible, accepted solution) only speeds the search up. Costs must be
     ≥ 0; options with a negative score are never needed (dropping one raises the total) and skipped.
     """
     n = len(options)
@@ -477,7 +498,7 @@ def solve_knapsack(options: Sequence[Sequence[Option]], budget: int,
                 return acc + ds * room / dc
         return acc
 
-    best: Solution | None = None
+    best: Solution | None = incumbent
     chosen: list[Option] = []
 
     def offer(score: Fraction) -> None:
@@ -524,6 +545,36 @@ def solve_knapsack(options: Sequence[Sequence[Option]], budget: int,
     if budget >= 0:
         dfs(0, budget, Fraction(0))
     return best
+
+
+def solve_within_size(options: Sequence[Sequence[Option]], limit: int, model: SizeModel) -> Solution | None:
+    """The best choice whose exact output size is at most ``limit``.
+
+    Header growth is not additive, so the search runs on tensor-byte deltas under the additive
+    budget ``limit - base - header_low``: every set that fits exactly fits that budget (header_low
+    is a lower bound on any set's header growth), so its optimum is an upper bound. If that optimum
+    fits exactly, it is the answer. Otherwise a feasible incumbent is found by shrinking the budget
+    by the overshoot (each round removes at least one byte, and budget < 0 leaves only the empty
+    choice, so this ends), and a second search under the original additive budget, seeded with it,
+    accepts only sets whose exact size fits: the true optimum, visiting few leaves."""
+
+    def fits(picks: Sequence[Option]) -> bool:
+        return model.size({o.unit: o.donor for o in picks}) <= limit
+
+    top = limit - model.base_size - model.header_low
+    first = solve_knapsack(options, top)
+    if first is None or fits(first.picks):
+        return first
+    budget = top
+    incumbent = first
+    while not fits(incumbent.picks):
+        over = model.size({o.unit: o.donor for o in incumbent.picks}) - limit
+        budget -= max(over, 1)
+        found = solve_knapsack(options, budget)
+        if found is None:
+            return None
+        incumbent = found
+    return solve_knapsack(options, top, accept=fits, incumbent=incumbent)
 
 
 def choose_count(options: Sequence[Sequence[Option]], count: int) -> Solution:
@@ -706,8 +757,7 @@ def plan_mosaic(req: PlanRequest) -> PlanResult:
     else:
         assert req.max_size is not None
         limit = req.max_size
-        additive = limit - model.base_size - model.header_low
-        best = solve_knapsack(options, additive, accept=lambda picks: size_of(picks) <= limit)
+        best = solve_within_size(options, limit, model)
         greedy_sol = greedy(options, lambda picks: size_of(picks) <= limit)
         if best is None or not best.picks:
             raise PlanError(

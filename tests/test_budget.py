@@ -200,6 +200,30 @@ def test_predicted_size_equals_built_size(srcs, tmp_path: Path) -> None:
     assert res.report["score"] == pytest.approx(float(best))
 
 
+@pytest.mark.parametrize("base_is_library", [False, True])
+def test_size_model_counts_header_bytes_as_the_writer_writes_them(srcs, base_is_library: bool) -> None:
+    from mosaic.safetensors_writer import encode_header
+
+    base, d3, d4 = srcs
+    if base_is_library:  # padded headers with __metadata__
+        base, d3 = d3, base
+    model, units = model_for(base, {"a": d3, "b": d4})
+    ck = model.base.ckpt
+    rng = random.Random(5)
+    for _ in range(12):
+        choice = {u.index: rng.choice("ab") for u in units if rng.random() < 0.5}
+        donor_of = {n: d for i, d in choice.items() for n in model.unit_tensors[i]}
+        want = 0
+        for shard in ck.shards:
+            h = ck.headers[shard]
+            if not any(t.name in donor_of for t in h.tensors):
+                want += h.file_size
+                continue
+            src = [model.donors[donor_of[t.name]].ckpt.tensor(t.name) if t.name in donor_of else t for t in h.tensors]
+            want += len(encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in src], h.metadata)) + sum(t.nbytes for t in src)
+        assert model.size(choice) == want
+
+
 def test_header_growth_is_counted(srcs, tmp_path: Path) -> None:
     base, d3, _ = srcs
     model, units = model_for(base, {"q3": d3})
