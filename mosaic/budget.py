@@ -459,6 +459,48 @@ def _hull(opts: Sequence[Option]) -> tuple[Fraction, list[tuple[int, Fraction]]]
     return hull[0][1], incs
 
 
+def _decided_better(a: tuple[Option, ...], b: tuple[Option, ...]) -> bool:
+    """Is prefix ``a`` lexicographically better than ``b`` whatever later units both get?"""
+    ua, ub = [o.unit for o in a], [o.unit for o in b]
+    for x, y in zip(ua, ub):
+        if x != y:
+            return x < y
+    if len(ua) != len(ub):
+        return False  # a proper prefix: the answer depends on what follows
+    return [o.rank for o in a] <= [o.rank for o in b]
+
+
+def solve_pareto(options: Sequence[Sequence[Option]], budget: int) -> Solution | None:
+    """The same optimum as :func:`solve_knapsack` without acceptance, by dynamic programming over
+    units that keeps only non-dominated (cost, score) states: a state is dropped when another costs
+    no more and scores more, or equal with a lexicographic lead no later unit can change. Exact, and
+    fast when costs repeat (every MoE layer of a model costs the same)."""
+    if budget < 0:
+        return None
+    states: list[tuple[int, Fraction, tuple[Option, ...]]] = [(0, Fraction(0), ())]
+    for row in options:
+        grown = list(states)
+        for c, sc, picks in states:
+            for o in row:
+                if o.score >= 0 and c + o.cost <= budget:
+                    grown.append((c + o.cost, sc + o.score, (*picks, o)))
+        grown.sort(key=lambda st: (st[0], -st[1]))
+        kept: list[tuple[int, Fraction, tuple[Option, ...]]] = []
+        top: Fraction | None = None
+        for st in grown:
+            if top is not None and st[1] < top:
+                continue
+            if top is not None and st[1] == top and any(k[1] == top and _decided_better(k[2], st[2]) for k in kept):
+                continue
+            kept.append(st)
+            top = st[1] if top is None else max(top, st[1])
+        states = kept
+    best = max(states, key=lambda st: st[1])[1]
+    winners = [st[2] for st in states if st[1] == best]
+    picks = min(winners, key=_key)
+    return Solution(list(picks), best, _key(picks))
+
+
 def solve_knapsack(options: Sequence[Sequence[Option]], budget: int,
                    accept: Callable[[list[Option]], bool] | None = None,
                    incumbent: Solution | None = None) -> Solution | None:
@@ -543,6 +585,11 @@ def solve_knapsack(options: Sequence[Sequence[Option]], budget: int,
         dfs(i + 1, room, score)
 
     if budget >= 0:
+        if best is None:  # a good first incumbent makes the bound prune from the start
+            seed = greedy(opts, lambda picks: sum(o.cost for o in picks) <= budget)
+            chosen.extend(seed.picks)
+            offer(seed.score)
+            chosen.clear()
         dfs(0, budget, Fraction(0))
     return best
 
@@ -562,7 +609,7 @@ def solve_within_size(options: Sequence[Sequence[Option]], limit: int, model: Si
         return model.size({o.unit: o.donor for o in picks}) <= limit
 
     top = limit - model.base_size - model.header_low
-    first = solve_knapsack(options, top)
+    first = solve_pareto(options, top)
     if first is None or fits(first.picks):
         return first
     budget = top
@@ -570,7 +617,7 @@ def solve_within_size(options: Sequence[Sequence[Option]], limit: int, model: Si
     while not fits(incumbent.picks):
         over = model.size({o.unit: o.donor for o in incumbent.picks}) - limit
         budget -= max(over, 1)
-        found = solve_knapsack(options, budget)
+        found = solve_pareto(options, budget)
         if found is None:
             return None
         incumbent = found
@@ -746,7 +793,7 @@ def plan_mosaic(req: PlanRequest) -> PlanResult:
             raise MosaicError("the base has no quantized decoder linears; --target-rate has nothing to measure")
         room = target * den - num
         limit = int(room // 1)
-        best = solve_knapsack(options, limit)
+        best = solve_pareto(options, limit)
         greedy_sol = greedy(options, lambda picks: sum(o.cost for o in picks) <= limit)
         if best is None or not best.picks:
             cheapest = min((o.cost for row in options for o in row), default=0)

@@ -23,6 +23,7 @@ from mosaic.budget import (
     parse_size,
     plan_mosaic,
     solve_knapsack,
+    solve_pareto,
 )
 from mosaic.build import build
 from mosaic.census import analyze
@@ -99,6 +100,8 @@ def test_solver_matches_brute_force_on_200_instances() -> None:
         options, budget = random_instance(rng, negative=True)
         got = solve_knapsack(options, budget)
         want = brute(options, budget)
+        pareto = solve_pareto(options, budget)
+        assert (None if pareto is None else (pareto.score, pareto.key)) == want, (options, budget)
         if want is None:
             assert got is None
             continue
