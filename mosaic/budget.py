@@ -10,7 +10,7 @@ This module owns the planning problem end to end, without writing anything but t
 * **costs** — exact, from the headers: tensor bytes for ``--max-size`` and bits × weights for
   ``--target-rate``; the output size of any chosen set is computed the way :mod:`mosaic.plan` lays
   shards out (header growth and padding included), so the prediction is the built size to the byte;
-* **the choice** — an exact multiple-choice knapsack (branch and bound over units with the LP bound
+* **the choice** — an exact multiple-choice knapsack (Pareto dynamic programming over units; branch and bound with the LP bound
   of the remaining units' concave hulls); the non-additive header growth is handled by searching
   under a provably safe additive budget and accepting a leaf only if its exact size fits. Among
   equal totals the set whose sorted layer list is lexicographically smallest wins (CONTRACT.md);
