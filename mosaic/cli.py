@@ -113,6 +113,40 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
         render_build(_console(), summary)
 
 
+@main.command()
+@click.option("--base", "base", required=True, metavar="SRC", help="The base: a folder or org/name@<40-hex commit>.")
+@click.option("--donor", "donors", multiple=True, required=True, metavar="ID=SRC", help="A donor (repeatable; order = measurement alternatives).")
+@click.option("--scores", "scores", required=True, type=click.Path(path_type=Path), help="Per-layer scores (JSON or CSV) or exllamav3's measurement JSON.")
+@click.option("--max-size", "max_size", metavar="SIZE", help="Budget: total .safetensors bytes (K/M/G/T = 10^3.., KiB/MiB/GiB/TiB = 1024^..).")
+@click.option("--target-rate", "target_rate", metavar="BPW", help="Budget: the exact trellis rate stays at most BPW.")
+@click.option("--layers", "layers", type=int, metavar="N", help="Take exactly N units (fewer if fewer exist).")
+@click.option("--unit", "unit", type=click.Choice(["layer-experts", "layer", "module-group"]), default="layer-experts", show_default=True,
+              help="What moves together: a layer's routed experts, a whole layer, or each module group of a layer.")
+@click.option("--out", "out", type=click.Path(path_type=Path), help="Write the recipe here (sources relative to its folder).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+@_guarded
+def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None, target_rate: str | None,
+         layers: int | None, unit: str, out: Path | None, as_json: bool) -> None:
+    """Choose which units to upgrade under a budget, exactly (not greedily), and write the recipe."""
+    from .budget import PlanRequest, parse_donor_arg, parse_size, plan_mosaic
+    from .report import render_plan
+
+    req = PlanRequest(
+        base=base,
+        donors=[parse_donor_arg(d) for d in donors],
+        scores=scores,
+        max_size=parse_size(max_size) if max_size is not None else None,
+        target_rate=target_rate,
+        layers=layers,
+        unit=unit,
+        out=out,
+    )
+    res = plan_mosaic(req)
+    if as_json:
+        _emit_json(res.report)
+    else:
+        render_plan(_console(), res.report, res.notes, str(out) if out else None)
+
 
 @main.command()
 @click.argument("directory", type=click.Path(path_type=Path))

@@ -118,3 +118,33 @@ def render_audit(console: Console, doc: dict) -> None:
         console.print(f"[red bold]audit failed[/red bold]: {n_fail} of {len(doc['mosaics'])} mosaic(s) have problems")
     else:
         console.print(f"[green bold]audit passed[/green bold]: {len(doc['mosaics'])} mosaic(s), every check")
+
+
+def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) -> None:
+    rate = rep["rate"]
+    console.print(
+        f"[bold]plan[/bold]: {len(rep['chosen'])} unit(s), predicted size {rep['predicted_size']:,} bytes "
+        f"({human_bytes(rep['predicted_size'])}), score {rep['score']:.6g}"
+    )
+    if rate["exact"] is not None:
+        console.print(
+            f"rate: exact {rate['exact']:.4f} bpw, by bytes {rate['by_bytes']:.4f}, by layer mass {rate['by_layer_mass']:.4f}"
+        )
+    g = rep["greedy"]
+    t = Table(show_edge=False)
+    t.add_column("layer", justify="right")
+    t.add_column("exact choice")
+    t.add_column("greedy choice")
+    opt = {(c["layer"], c["donor"]) for c in rep["chosen"]}
+    gre = {(c["layer"], c["donor"]) for c in g["chosen"]}
+    for layer, donor in sorted(opt | gre):
+        t.add_row(str(layer), donor if (layer, donor) in opt else "", donor if (layer, donor) in gre else "")
+    console.print(t)
+    console.print(
+        f"exact: score {rep['score']:.6g}, {rep['predicted_size']:,} bytes; "
+        f"greedy (score per cost, take while it fits): score {g['score']:.6g}, {g['predicted_size']:,} bytes"
+    )
+    for n in notes:
+        console.print(f"[yellow]note:[/yellow] {n}")
+    if out:
+        console.print(f"recipe written to {out}; build it with: mosaic build {out}")
