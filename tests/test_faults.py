@@ -70,7 +70,15 @@ def run_cli(args: list[str], fault: str | None = None, cwd: Path | None = None) 
     if fault:
         env["MOSAIC_FAULT"] = fault
     return subprocess.run(
-        [sys.executable, "-m", "mosaic.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
+        [sys.executable, "-m", "mosaic.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+        # a terminal's Ctrl-C: the test runner may itself run with SIGINT ignored (a background job),
+        # which Python would otherwise inherit and honour
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
