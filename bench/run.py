@@ -61,8 +61,13 @@ def race(case: str, contenders: dict[str, tuple[Callable[[], None], Callable[[],
             times[name].append(timed(fn, before))
     med = {k: statistics.median(v) for k, v in times.items()}
     for name in contenders:
-        ROWS.append((case, name, f"{med[name]:.2f} s", f"{med[name] / med[ref]:.2f} × {ref}" if name != ref else "1.00"))
+        row(case, name, f"{med[name]:.2f} s", f"{med[name] / med[ref]:.2f} × {ref}" if name != ref else "1.00")
     return med
+
+
+def row(*cells: str) -> None:
+    ROWS.append(cells)  # type: ignore[arg-type]
+    print(" | ".join(cells), file=sys.stderr, flush=True)
 
 
 def dataset(name: str, g: Geometry) -> Path:
@@ -103,13 +108,13 @@ def hashlib_pass(folder: Path) -> None:
 
 
 def bytes_geometry(size_gb: float, bits: float, seed: int) -> Geometry:
-    # 12 MoE layers of 64 experts with 1024x512 projections: ~0.2 GB per layer at 2 bits
-    layers = 12
-    g = Geometry(layers=layers, dense_layers=0, experts=64, hidden=1024, kv_dim=256, expert_intermediate=512,
-                 vocab=4096, bits=bits, seed=seed, shard_size=int(1.5e9))
-    per_layer_2bit = 64 * 3 * 1024 * 512 * 2 / 8
-    scale = max(1, round(size_gb * 1e9 / (per_layer_2bit * layers)))
-    return g.with_(experts=64 * scale)
+    """12 MoE layers of 64 experts; the expert width grows with the size, the tensor count does not
+    (bigger models have bigger tensors, not more of them), so memory can be compared across sizes."""
+    layers, experts, hidden = 12, 64, 1024
+    per_unit = layers * experts * 3 * hidden * 2 / 8  # 2-bit bytes per unit of expert width
+    width = max(128, round(size_gb * 1e9 / per_unit / 128) * 128)
+    return Geometry(layers=layers, dense_layers=0, experts=experts, hidden=hidden, kv_dim=256, expert_intermediate=width,
+                    vocab=4096, bits=bits, seed=seed, shard_size=int(1.5e9))
 
 
 def case_bytes(runs: int, size_gb: float) -> None:
@@ -129,7 +134,7 @@ def case_bytes(runs: int, size_gb: float) -> None:
         runs,
         "cp -r + sha256sum",
     )
-    ROWS.append(("bytes: build", "mosaic / cp -r", f"{med['mosaic build'] / med['cp -r']:.2f}", "target ≤ 2"))
+    row(*("bytes: build", "mosaic / cp -r", f"{med['mosaic build'] / med['cp -r']:.2f}", "target ≤ 2"))
     drop(cp_out)
     race(
         "bytes: audit",
@@ -172,7 +177,7 @@ def case_metadata(runs: int) -> None:
     from mosaic.checkpoint import open_checkpoint
 
     n = len(open_checkpoint(base).tensor_file)
-    ROWS.append(("census: GLM geometry", "mosaic census --json", f"{t:.2f} s", f"{n / t:,.0f} tensors/s"))
+    row(*("census: GLM geometry", "mosaic census --json", f"{t:.2f} s", f"{n / t:,.0f} tensors/s"))
 
 
 def case_census(runs: int) -> None:
@@ -181,7 +186,7 @@ def case_census(runs: int) -> None:
 
     n = len(open_checkpoint(base).tensor_file)
     med = race("census: GLM geometry", {"mosaic census --json": (lambda: sh([*MOSAIC, "census", str(base), "--json"]), None)}, runs, "mosaic census --json")
-    ROWS.append(("census: GLM geometry", "throughput", f"{n:,} tensors", f"{n / med['mosaic census --json']:,.0f} tensors/s"))
+    row(*("census: GLM geometry", "throughput", f"{n:,} tensors", f"{n / med['mosaic census --json']:,.0f} tensors/s"))
 
 
 def case_memory(small_gb: float, large_gb: float) -> None:
@@ -194,7 +199,7 @@ def case_memory(small_gb: float, large_gb: float) -> None:
         b = peak_rss_mib([*MOSAIC, "build", str(recipe), "--out", str(out)])
         a = peak_rss_mib([*MOSAIC, "audit", str(out)])
         size = sum(p.stat().st_size for p in base.iterdir()) / 1e9
-        ROWS.append((f"memory: {label} ({size:.1f} GB base)", "peak RSS build / audit", f"{b:.0f} / {a:.0f} MiB", ""))
+        row(*(f"memory: {label} ({size:.1f} GB base)", "peak RSS build / audit", f"{b:.0f} / {a:.0f} MiB", ""))
         drop(out)
     glm_base = dataset("glm-base", glm_geometry(seed=1))
     glm_donor = dataset("glm-donor", glm_geometry(seed=2, bits=3))
@@ -203,7 +208,7 @@ def case_memory(small_gb: float, large_gb: float) -> None:
     drop(out)
     b = peak_rss_mib([*MOSAIC, "build", str(recipe), "--out", str(out)])
     a = peak_rss_mib([*MOSAIC, "audit", str(out)])
-    ROWS.append(("memory: GLM geometry (150k tensors)", "peak RSS build / audit", f"{b:.0f} / {a:.0f} MiB", "target < 400"))
+    row(*("memory: GLM geometry (150k tensors)", "peak RSS build / audit", f"{b:.0f} / {a:.0f} MiB", "target < 400"))
     drop(out)
 
 
