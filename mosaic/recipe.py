@@ -111,6 +111,8 @@ class Recipe:
 #: recipe without aliases stays below its own size. Bounds memory and time against alias bombs
 #: ("billion laughs") and self-referencing anchors before anything is constructed or printed.
 MAX_EXPANDED_SIZE = 2 * MAX_RECIPE_BYTES
+#: The deepest a recipe may nest (it needs four levels).
+MAX_DEPTH = 64
 #: The most layer numbers one rule may list, ranges expanded.
 MAX_RULE_LAYERS = 100_000
 
@@ -152,6 +154,20 @@ def _expanded_size(root: yaml.Node, limit: int) -> int:
 class _StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys, non-string keys and documents whose aliases expand
     them beyond :data:`MAX_EXPANDED_SIZE`."""
+
+    _depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        # Refuse deep nesting before Python's recursion limit does: unwinding a RecursionError
+        # through PyYAML's composer takes about a second.
+        if self._depth >= MAX_DEPTH:
+            mark = self.peek_event().start_mark
+            raise RecipeError(f"line {mark.line + 1}: nested more than {MAX_DEPTH} levels deep")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)  # type: ignore[misc]
+        finally:
+            self._depth -= 1
 
     def get_single_data(self) -> object:
         node = self.get_single_node()
