@@ -327,9 +327,9 @@ def parse_recipe(raw: bytes, file: Path) -> Recipe:
         raise RecipeError(f"{file}: not valid YAML: {str(e).splitlines()[0]}") from None
     except RecursionError:
         raise RecipeError(f"{file}: YAML is nested too deeply") from None
-    except (ValueError, TypeError, OverflowError) as e:
+    except (ValueError, TypeError, OverflowError, AttributeError) as e:
         # PyYAML's safe constructors call int(), date() and friends unguarded: a 5,000-digit integer
-        # or a 13th month surfaces as a bare ValueError.
+        # or a 13th month surfaces as a bare ValueError, '!!timestamp x' as an AttributeError.
         raise RecipeError(f"{file}: not valid YAML: a value cannot be read: {str(e)[:200]}") from None
     top = _mapping(file, "recipe", doc, _TOP_FIELDS, {"name", "base", "donors", "replace"})
     name = _string(file, "name", top["name"])

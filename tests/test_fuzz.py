@@ -27,7 +27,8 @@ folders are working copies, the sources they were copied from are checked unchan
 | mosaic-recipe.yaml in a mosaic: bytes, mutated documents, tags, alias bombs   |     16 | exit 1                                      |          0 |
 
 Crashes these fuzzers found, fixed in the reader that owns the input (regression tests below):
-PyYAML's safe constructors raise bare ValueError for a 5000-digit integer or a 13th month; an alias
+PyYAML's safe constructors raise bare ValueError for a 5000-digit integer or a 13th month and
+AttributeError for ``!!timestamp x``; an alias
 bomb hung the recipe loader in the repr of its error message; a long layer list took quadratic time;
 deep nesting cost a second of RecursionError unwinding; ``from: []`` raised TypeError; a key holding a
 newline split a recipe error over two lines; ``./a`` and ``a//b`` passed the safe-name check; a
@@ -557,6 +558,7 @@ def test_alias_bomb_is_refused_quickly_and_small(merge: bool, where: str) -> Non
         "a:\n" + "".join(" " * i + "- \n" for i in range(400)),
         "name: " + "9" * 5000,
         "name: !!timestamp 2020-13-45",
+        "name: !!timestamp not-a-date",
         "name: !!int '0x'",
         "name: &a [*a]",
         "name: x\nname: y",
