@@ -122,7 +122,8 @@ def check_qconfig(ckpt: Checkpoint, modules: dict[str, Module]) -> list[str]:
                 problems.append(f"{where}: {name}: shape {st.get('shape')} but the header says {list(t.shape)}")
             if st.get("n_bytes") != t.nbytes:
                 problems.append(f"{where}: {name}: n_bytes {st.get('n_bytes')} but the header says {t.nbytes}")
-            if TORCH_DTYPES.get(st.get("dtype")) != t.dtype:  # type: ignore[arg-type]
+            dtype = st.get("dtype")
+            if (TORCH_DTYPES.get(dtype) if isinstance(dtype, str) else None) != t.dtype:
                 problems.append(f"{where}: {name}: dtype {st.get('dtype')!r} but the header says {t.dtype}")
         m = modules.get(key)
         if m is not None and m.is_exl3:

@@ -32,16 +32,16 @@ def check_relative_name(name: object, what: str, where: str) -> str:
     """Refuse a name read from a file unless it is a plain relative POSIX path inside the folder."""
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"{where}: {what} {name!r} is not a file name")
-    p = PurePosixPath(name)
+    # Components are split by hand: PurePosixPath drops "." and empty components ("./a", "a/."), which
+    # would let a name that is not the one written through.
+    parts = name.split("/")
     if (
-        p.is_absolute()
+        PurePosixPath(name).is_absolute()
         or name.startswith(("/", "\\"))
         or "\\" in name
-        or ".." in p.parts
+        or any(c in ("", ".", "..") for c in parts)
         or "\x00" in name
         or re.match(r"^[A-Za-z]:", name)
-        or "." in p.parts
-        or name.endswith("/")
     ):
         raise CheckpointError(f"{where}: {what} {name!r} is absolute or leaves the folder; refused")
     return name

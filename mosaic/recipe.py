@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,8 +107,74 @@ class Recipe:
         return out if out.is_absolute() else (cwd or Path.cwd()) / out
 
 
+#: The most a recipe may grow to once its aliases are expanded (nodes plus scalar characters); a
+#: recipe without aliases stays below its own size. Bounds memory and time against alias bombs
+#: ("billion laughs") and self-referencing anchors before anything is constructed or printed.
+MAX_EXPANDED_SIZE = 2 * MAX_RECIPE_BYTES
+#: The deepest a recipe may nest (it needs four levels).
+MAX_DEPTH = 64
+#: The most layer numbers one rule may list, ranges expanded.
+MAX_RULE_LAYERS = 100_000
+
+
+def _expanded_size(root: yaml.Node, limit: int) -> int:
+    """Size of the document with every alias expanded; RecipeError past ``limit`` or on a cycle."""
+    memo: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in memo:
+            return memo[key]
+        if key in active:
+            raise RecipeError(f"line {node.start_mark.line + 1}: an alias refers to a node that contains it")
+        active.add(key)
+        n = 1
+        if isinstance(node, yaml.ScalarNode):
+            n += len(node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            for child in node.value:
+                n += size(child)
+                if n > limit:
+                    break
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                n += size(k) + size(v)
+                if n > limit:
+                    break
+        active.discard(key)
+        if n > limit:
+            raise RecipeError(f"line {node.start_mark.line + 1}: aliases expand the recipe beyond {limit} bytes")
+        memo[key] = n
+        return n
+
+    return size(root)
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys and non-string keys."""
+    """SafeLoader that refuses duplicate keys, non-string keys and documents whose aliases expand
+    them beyond :data:`MAX_EXPANDED_SIZE`."""
+
+    _depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        # Refuse deep nesting before Python's recursion limit does: unwinding a RecursionError
+        # through PyYAML's composer takes about a second.
+        if self._depth >= MAX_DEPTH:
+            mark = self.peek_event().start_mark
+            raise RecipeError(f"line {mark.line + 1}: nested more than {MAX_DEPTH} levels deep")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)  # type: ignore[misc]
+        finally:
+            self._depth -= 1
+
+    def get_single_data(self) -> object:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _expanded_size(node, MAX_EXPANDED_SIZE)
+        return self.construct_document(node)
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -126,6 +193,11 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def _key(k: object) -> str:
+    """A key as an error message shows it: plain when printable, else quoted (errors stay one line)."""
+    return k if isinstance(k, str) and k.isprintable() else repr(k)
+
+
 def _fail(path: Path, field: str, msg: str) -> RecipeError:
     return RecipeError(f"{path}: {field}: {msg}")
 
@@ -133,7 +205,7 @@ def _fail(path: Path, field: str, msg: str) -> RecipeError:
 def _mapping(path: Path, field: str, value: object, allowed: set[str], required: set[str] = frozenset()) -> dict:  # type: ignore[assignment]
     if not isinstance(value, dict):
         raise _fail(path, field, f"must be a mapping, got {type(value).__name__}")
-    unknown = sorted(str(k) for k in value if k not in allowed)
+    unknown = sorted(_key(k) for k in value if k not in allowed)
     if unknown:
         raise _fail(path, field, f"unknown field(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
     missing = sorted(required - set(value))
@@ -191,6 +263,8 @@ def _layers(path: Path, field: str, value: object) -> tuple[int, ...]:
         raise _fail(path, field, "must be a non-empty list of layer numbers and 'a-b' ranges")
     out: list[int] = []
     for i, v in enumerate(value):
+        if len(out) > MAX_RULE_LAYERS:
+            raise _fail(path, field, f"lists more than {MAX_RULE_LAYERS} layers")
         f = f"{field}[{i}]"
         if isinstance(v, int) and not isinstance(v, bool):
             if v < 0:
@@ -205,7 +279,7 @@ def _layers(path: Path, field: str, value: object) -> tuple[int, ...]:
             out.extend(range(a, b + 1))
         else:
             raise _fail(path, f, f"{v!r} is neither a layer number nor an 'a-b' range")
-    dup = sorted({x for x in out if out.count(x) > 1}) if len(out) != len(set(out)) else []
+    dup = sorted(x for x, n in Counter(out).items() if n > 1)
     if dup:
         raise _fail(path, field, f"layer(s) {', '.join(map(str, dup))} listed more than once")
     return tuple(sorted(out))
@@ -223,7 +297,7 @@ def _rule(path: Path, index: int, value: object, donors: dict[str, SourceSpec]) 
     field = f"replace[{index}]"
     m = _mapping(path, field, value, _RULE_FIELDS, {"from"})
     donor = m["from"]
-    if donor not in donors:
+    if not isinstance(donor, str) or donor not in donors:  # a list or mapping is not hashable
         raise _fail(path, f"{field}.from", f"unknown donor {donor!r} (donors: {', '.join(sorted(donors))})")
     has_layers, has_keys = "layers" in m, "keys" in m
     if has_layers == has_keys:
@@ -253,6 +327,10 @@ def parse_recipe(raw: bytes, file: Path) -> Recipe:
         raise RecipeError(f"{file}: not valid YAML: {str(e).splitlines()[0]}") from None
     except RecursionError:
         raise RecipeError(f"{file}: YAML is nested too deeply") from None
+    except (ValueError, TypeError, OverflowError, AttributeError) as e:
+        # PyYAML's safe constructors call int(), date() and friends unguarded: a 5,000-digit integer
+        # or a 13th month surfaces as a bare ValueError, '!!timestamp x' as an AttributeError.
+        raise RecipeError(f"{file}: not valid YAML: a value cannot be read: {str(e)[:200]}") from None
     top = _mapping(file, "recipe", doc, _TOP_FIELDS, {"name", "base", "donors", "replace"})
     name = _string(file, "name", top["name"])
     if not _NAME_RE.match(name) or name in (".", ".."):
@@ -264,7 +342,7 @@ def parse_recipe(raw: bytes, file: Path) -> Recipe:
     donors: dict[str, SourceSpec] = {}
     for did, spec in dmap.items():
         if not isinstance(did, str) or not _ID_RE.match(did) or did == "base":
-            raise _fail(file, f"donors.{did}", "donor ids are lowercase letters, digits, '_' and '-' (and not 'base')")
+            raise _fail(file, f"donors.{_key(did)}", "donor ids are lowercase letters, digits, '_' and '-' (and not 'base')")
         donors[did] = _source(file, f"donors.{did}", did, spec)
     rules_raw = top["replace"]
     if not isinstance(rules_raw, list) or not rules_raw:
