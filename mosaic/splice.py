@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import digest_cache
 from .errors import VerificationError
 from .faults import point as fault_point
 from .hashing import digest_file, digest_ranges, parallel_map
@@ -98,22 +99,38 @@ def digest_sources(
 ) -> dict[str, dict[str, SourceFile]]:
     """Step 1: the digest of every source file the plan uses, and of each tensor it takes from it.
 
-    A file is read once, both digests together. When ``known`` gives a file's SHA-256 (verified
-    when it was downloaded and unchanged since), only the tensors taken from it are read."""
+    A file is read once, both digests together. A file whose digest is already known — verified
+    when it was downloaded (``known``), or computed by an earlier build and unchanged since (the
+    digest cache) — is not hashed whole again: only tensors whose digests are not known yet are read.
+    Known digests are still checked: every copy is read back and compared with them."""
     known = known or {}
     used = _used_tensors(plan)
+    work: list[tuple[str, str]] = [(sid, name) for sid, names in plan.used_files.items() for name in names]
+    trusted: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}
+    for sid, name in work:
+        path = plan.sources[sid].ckpt.root / name
+        entry = digest_cache.lookup(path)
+        if name in known.get(sid, {}):
+            sha = known[sid][name]
+            tensors = entry.tensors if entry is not None and entry.sha256 == sha else {}
+            trusted[(sid, name)] = (sha, tensors)
+        elif entry is not None:
+            trusted[(sid, name)] = (entry.sha256, entry.tensors)
     # an untouched shard whose digest is trusted needs no read here: its copy is read back (and
     # compared with that digest) once, which gives its tensors' digests too
     for name in _untouched(plan):
-        if name in known.get("base", {}):
+        if ("base", name) in trusted:
             used.pop(("base", name), None)
-    work: list[tuple[str, str]] = [(sid, name) for sid, names in plan.used_files.items() for name in names]
+
+    def missing(item: tuple[str, str]) -> list[str]:
+        have = trusted[item][1] if item in trusted else {}
+        return [n for n in used.get(item, ()) if n not in have]
 
     def cost(item: tuple[str, str]) -> int:
         sid, name = item
         ck = plan.sources[sid].ckpt
-        if name in known.get(sid, {}) and name in ck.headers:
-            return sum(ck.tensor(n).nbytes for n in used.get(item, ()))
+        if item in trusted and name in ck.headers:
+            return sum(ck.tensor(n).nbytes for n in missing(item))
         return (ck.root / name).stat().st_size
 
     advance = progress.step("hashing sources", sum(cost(w) for w in work))
@@ -121,20 +138,28 @@ def digest_sources(
     def one(item: tuple[str, str]) -> tuple[str, str, SourceFile]:
         sid, name = item
         ck = plan.sources[sid].ckpt
+        path = ck.root / name
         h = ck.headers.get(name)
         names = sorted(used.get(item, ()), key=lambda n: h[n].begin) if h else []
-        ranges = [h.file_range(n) for n in names] if h else []
-        trusted = known.get(sid, {}).get(name)
-        if trusted is not None and h is not None:
-            digests = digest_ranges(ck.root / name, ranges, on_bytes=advance)
-            record = FileRecord(name, h.file_size, trusted)
+        before = digest_cache.identity(path)
+        if item in trusted and (h is not None or not names):
+            sha, have = trusted[item]
+            todo = missing(item)
+            fresh = dict(zip(todo, digest_ranges(path, [h.file_range(n) for n in todo], on_bytes=advance))) if todo else {}
+            if fresh:
+                digest_cache.store(path, sha, fresh, identity_before=before)
+            size = h.file_size if h is not None else path.stat().st_size
+            record = FileRecord(name, size, sha)
+            tensors = {n: fresh[n] if n in fresh else have[n] for n in names}
         else:
-            d = digest_file(ck.root / name, ranges, on_bytes=advance)
+            d = digest_file(path, [h.file_range(n) for n in names] if h else [], on_bytes=advance)
             if h is not None and d.size != h.file_size:
                 raise VerificationError(f"source {sid!r}: {name} changed size while the build ran ({h.file_size} -> {d.size})")
-            digests, record = d.ranges, FileRecord(name, d.size, d.sha256)
+            tensors = dict(zip(names, d.ranges))
+            record = FileRecord(name, d.size, d.sha256)
+            digest_cache.store(path, d.sha256, tensors, identity_before=before)
         fault_point("source")
-        return sid, name, SourceFile(record, dict(zip(names, digests)))
+        return sid, name, SourceFile(record, tensors)
 
     out: dict[str, dict[str, SourceFile]] = {sid: {} for sid in plan.used_files}
     for sid, name, sf in parallel_map(one, work, jobs):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,19 @@ def tree_digest(root: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_digest_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Builds remember source digests between runs; tests keep theirs apart from the user's cache
+    (and subprocesses inherit the setting)."""
+    old = os.environ.get("MOSAIC_CACHE_DIR")
+    os.environ["MOSAIC_CACHE_DIR"] = str(tmp_path_factory.mktemp("digest-cache"))
+    yield
+    if old is None:
+        os.environ.pop("MOSAIC_CACHE_DIR", None)
+    else:
+        os.environ["MOSAIC_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="session")

@@ -365,3 +365,42 @@ def test_trusted_source_digests_skip_reads_but_are_still_checked(ckpt_factory, t
     (tmp_path / "c").mkdir()
     with pytest.raises(VerificationError, match=f"{untouched}: copy differs"):
         splice_mod.splice(plan, tmp_path / "c", known=known)
+
+
+def test_digest_cache_spares_rereading_sources_and_cannot_fool_the_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json as _json
+
+    from mosaic import digest_cache
+    from mosaic import splice as splice_mod
+
+    monkeypatch.setenv("MOSAIC_CACHE_DIR", str(tmp_path / "cache"))
+    g = BASE.with_(shard_size=1 << 20)
+    base = write_checkpoint(tmp_path / "base", g.with_(seed=31))
+    donor = write_checkpoint(tmp_path / "donor", DONOR.with_(seed=32))
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "layers": [5], "modules": ["mlp.experts"]}], at=tmp_path))
+    first = build(recipe, out=tmp_path / "one").out_dir
+    read: list[str] = []
+    real = splice_mod.digest_file
+    monkeypatch.setattr(splice_mod, "digest_file", lambda p, *a, **k: (read.append(str(p)), real(p, *a, **k))[1])
+    second = build(recipe, out=tmp_path / "two").out_dir
+    assert tree_digest(first) == tree_digest(second)
+    assert not [p for p in read if p.startswith((str(base), str(donor)))]  # nothing read whole again
+    # a rewritten source (new mtime) misses the cache
+    shard = sorted(base.glob("*.safetensors"))[-1]
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1))
+    read.clear()
+    build(recipe, out=tmp_path / "three")
+    assert str(shard) in read
+    # a poisoned entry with an intact identity can only make the build fail
+    entry = next((tmp_path / "cache").glob("*.json"))
+    doc = _json.loads(entry.read_text())
+    doc["sha256"] = "0" * 64
+    doc["tensors"] = {k: "0" * 64 for k in doc["tensors"]}
+    entry.write_text(_json.dumps(doc))
+    assert digest_cache.lookup(doc["path"]) is not None
+    with pytest.raises(VerificationError):
+        build(recipe, out=tmp_path / "four")
+    assert not (tmp_path / "four").exists()
+    # and it can be turned off
+    monkeypatch.setenv("MOSAIC_NO_DIGEST_CACHE", "1")
+    assert digest_cache.lookup(doc["path"]) is None

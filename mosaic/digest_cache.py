@@ -1,0 +1,100 @@
+"""Digests of source files kept between builds, so that building again from the same sources (a
+recipe tried twice, a second mosaic of the same base) does not hash 100 GB again.
+
+An entry is keyed by the file's real path and valid only while the file's identity is unchanged:
+device, inode, size and modification time (ns). It holds the file's SHA-256 and the SHA-256 of each
+tensor computed so far. A stale entry can make a build fail, never pass: every copied tensor and
+every copied shard is read back from the output and compared with these digests, so a source that
+changed under an unchanged identity shows up as a mismatch.
+
+Entries live in ``$MOSAIC_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mosaic/digests``, else
+``~/.cache/mosaic/digests``), never beside a source; ``MOSAIC_NO_DIGEST_CACHE=1`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+_VERSION = 1
+
+
+def _root() -> Path | None:
+    if os.environ.get("MOSAIC_NO_DIGEST_CACHE"):
+        return None
+    explicit = os.environ.get("MOSAIC_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mosaic" / "digests"
+
+
+def _identity(path: Path) -> list[int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _entry_path(root: Path, real: str) -> Path:
+    return root / (hashlib.sha256(real.encode("utf-8", "surrogateescape")).hexdigest() + ".json")
+
+
+@dataclass
+class Entry:
+    sha256: str
+    size: int
+    tensors: dict[str, str]
+
+
+def lookup(path: str | os.PathLike[str]) -> Entry | None:
+    """The cached digests of ``path`` if its identity is what it was when they were computed."""
+    root = _root()
+    if root is None:
+        return None
+    real = os.path.realpath(path)
+    ident = _identity(Path(real))
+    try:
+        doc = json.loads(_entry_path(root, real).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("version") != _VERSION
+        or doc.get("path") != real
+        or doc.get("identity") != ident
+        or not isinstance(doc.get("sha256"), str)
+        or not isinstance(doc.get("tensors"), dict)
+    ):
+        return None
+    return Entry(doc["sha256"], ident[2] if ident else 0, {str(k): str(v) for k, v in doc["tensors"].items()})
+
+
+def store(path: str | os.PathLike[str], sha256: str, tensors: dict[str, str], *, identity_before: list[int] | None) -> None:
+    """Remember digests computed from ``path``; skipped if the file changed while it was read."""
+    root = _root()
+    if root is None:
+        return
+    real = os.path.realpath(path)
+    ident = _identity(Path(real))
+    if ident is None or ident != identity_before:
+        return
+    old = lookup(real)
+    merged = {**(old.tensors if old is not None and old.sha256 == sha256 else {}), **tensors}
+    doc = {"version": _VERSION, "path": real, "identity": ident, "sha256": sha256, "tensors": merged}
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        target = _entry_path(root, real)
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc, separators=(",", ":")))
+        os.replace(tmp, target)
+    except OSError:
+        return  # a cache that cannot be written only costs time
+
+
+def identity(path: str | os.PathLike[str]) -> list[int] | None:
+    return _identity(Path(os.path.realpath(path)))
