@@ -312,7 +312,7 @@ def audit(
     analysis = None
     if not any(f.check == "safetensors" for f in rep.failures):
         try:
-            analysis = analyze(open_checkpoint(root))
+            analysis = analyze(open_checkpoint(root, headers=headers))
         except (MosaicError, OSError) as e:
             rep.fail("configs", str(e))
     if analysis is not None:

@@ -221,12 +221,18 @@ def _partial_qconfig(path: Path, keys: set[str]) -> dict:
     return {"tensor_storage": {k: v for k, v in full.items() if k in keys} if isinstance(full, dict) else {}}
 
 
-def open_checkpoint(root: str | os.PathLike[str], *, modules: set[str] | None = None) -> Checkpoint:
+def open_checkpoint(
+    root: str | os.PathLike[str],
+    *,
+    modules: set[str] | None = None,
+    headers: dict[str, ShardHeader] | None = None,
+) -> Checkpoint:
     """Open a checkpoint folder: shards from the index (or the single ``model.safetensors``).
 
     With ``modules`` (module keys), only the shards that hold tensors of those modules are read and
     only their quantization_config.json entries are kept: a donor needs no more, and at 150,000
-    tensors reading the rest costs seconds."""
+    tensors reading the rest costs seconds. ``headers`` hands over shard headers already read
+    (strictly) by the caller, so that they are not parsed twice."""
     rootp = Path(root)
     if not rootp.is_dir():
         raise CheckpointError(f"{rootp}: not a folder")
@@ -261,7 +267,8 @@ def open_checkpoint(root: str | os.PathLike[str], *, modules: set[str] | None = 
         wanted = {shard for name, shard in weight_map.items() if name.rpartition(".")[0] in modules}
         shards = [s for s in shards if s in wanted]
         weight_map = {k: v for k, v in weight_map.items() if v in wanted}
-    headers = {s: read_header(rootp / s) for s in shards}
+    known_headers = headers or {}
+    headers = {s: known_headers[s] if s in known_headers else read_header(rootp / s) for s in shards}
     tensor_file: dict[str, str] = {}
     for s in shards:
         for t in headers[s].tensors:

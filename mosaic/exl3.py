@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import lru_cache
 
 from .safetensors_reader import TensorInfo
 
@@ -49,6 +50,7 @@ class KeyInfo:
     proj: str | None = None  # routed experts: the projection ("mlp.experts.*.down_proj")
 
 
+@lru_cache(maxsize=1 << 18)
 def parse_key(key: str) -> KeyInfo:
     """Classify a module key: layer, group (routed experts, attention, ...), expert and projection."""
     if key.startswith(_VISION_PREFIXES):

@@ -93,7 +93,7 @@ def glm_geometry(**kw: object) -> Geometry:
         head_bits=5,
         prefix="model.language_model.layers",
         vision_blocks=2,
-        shard_size=21 << 20,
+        shard_size=16 << 20,
     )
     base.update(kw)
     return Geometry(**base)  # type: ignore[arg-type]
