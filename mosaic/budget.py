@@ -39,7 +39,7 @@ from .census import Analysis
 from .errors import FormatError, MosaicError, SourceError, VerificationError
 from .exl3 import Module, is_decoder_linear, parse_key
 from .plan import BuildPlan, make_plan
-from .recipe import _ID_RE, _REPO_RE, _REV_RE, Recipe, SourceSpec, component_match, parse_recipe
+from .recipe import _ID_RE, _REPO_RE, _REV_RE, Recipe, SourceSpec, component_match, layer_runs, parse_recipe
 from .safetensors_writer import encode_header
 from .selection import select
 
@@ -675,15 +675,10 @@ class PlanResult:
 
 
 def _ranges(layers: Sequence[int]) -> list[int | str]:
+    """Recipe form: runs of three or more as "a-b", shorter runs as numbers."""
     out: list[int | str] = []
-    xs = sorted(layers)
-    i = 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.extend([f"{xs[i]}-{xs[j]}"] if j - i >= 2 else xs[i : j + 1])
-        i = j + 1
+    for a, b in layer_runs(list(layers)):
+        out.extend([f"{a}-{b}"] if b - a >= 2 else range(a, b + 1))
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .exl3 import bits_from_trellis, parse_key
+from .recipe import layer_runs
 
 BEGIN = "<!-- mosaic:begin (generated from PROVENANCE.json; `mosaic audit` checks this block) -->"
 END = "<!-- mosaic:end -->"
@@ -25,16 +26,7 @@ _GROUP_TITLES = {
 
 def ranges(nums: list[int]) -> str:
     """[3, 32, 33, 36, 37, 38] -> '3, 32–33, 36–38'."""
-    out: list[str] = []
-    nums = sorted(nums)
-    i = 0
-    while i < len(nums):
-        j = i
-        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
-            j += 1
-        out.append(str(nums[i]) if i == j else f"{nums[i]}–{nums[j]}")
-        i = j + 1
-    return ", ".join(out)
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in layer_runs(nums))
 
 
 def _source_label(s: dict) -> str:

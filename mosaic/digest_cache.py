@@ -1,11 +1,13 @@
 """Digests of source files kept between builds, so that building again from the same sources (a
 recipe tried twice, a second mosaic of the same base) does not hash 100 GB again.
 
-An entry is keyed by the file's real path and valid only while the file's identity is unchanged:
-device, inode, size and modification time (ns). It holds the file's SHA-256 and the SHA-256 of each
-tensor computed so far. A stale entry can make a build fail, never pass: every copied tensor and
-every copied shard is read back from the output and compared with these digests, so a source that
-changed under an unchanged identity shows up as a mismatch.
+Only shards are cached. An entry is keyed by the file's real path and valid only while the file's
+identity is unchanged: device, inode, size and modification time (ns), the same quick check rsync
+and make rely on. It holds the file's SHA-256 and the SHA-256 of each tensor computed so far. A
+stale entry cannot let a wrong byte into a mosaic: every copied tensor and every shard copied whole
+is read back from the output and compared with these digests, so a source changed under an
+unchanged identity fails the build. What an entry alone vouches for is the file digest recorded in
+PROVENANCE.json for a source shard that is not copied whole.
 
 Entries live in ``$MOSAIC_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mosaic/digests``, else
 ``~/.cache/mosaic/digests``), never beside a source; ``MOSAIC_NO_DIGEST_CACHE=1`` turns the cache off.

@@ -38,7 +38,7 @@ from . import __version__
 from .errors import MosaicError, SourceError, VerificationError
 from .hashing import parallel_map
 from .progress import SILENT, Reporter
-from .records import MANIFEST_NAME, PROVENANCE_NAME, parse_manifest
+from .records import MANIFEST_NAME, PROVENANCE_NAME, FileRecord, parse_manifest
 
 RECORD_SCHEMA = "mosaic.verified/v1"
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -512,14 +512,8 @@ def _scrub(text: str) -> str:
     return text.replace(token, "***") if token else text
 
 
-@dataclass
-class UploadItem:
-    name: str
-    size: int
-    sha256: str
-
-    def as_dict(self) -> dict[str, object]:
-        return {"name": self.name, "size": self.size, "sha256": self.sha256}
+#: A file to upload: name, size and SHA-256, as the manifest lists it.
+UploadItem = FileRecord
 
 
 @dataclass

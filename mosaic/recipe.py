@@ -77,6 +77,17 @@ class Rule:
         return self.keys is not None and any(fnmatch.fnmatchcase(name, g) for g in self.keys)
 
 
+def layer_runs(layers: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """Sorted layers as runs of consecutive numbers: [3, 32, 33, 36, 37] -> [(3, 3), (32, 33), (36, 37)]."""
+    out: list[tuple[int, int]] = []
+    for n in sorted(layers):
+        if out and n == out[-1][1] + 1:
+            out[-1] = (out[-1][0], n)
+        elif not out or n != out[-1][1]:
+            out.append((n, n))
+    return out
+
+
 def component_match(path: str, pattern: str) -> bool:
     """Module patterns match whole dotted components of the path's start; ``*`` stays in one component."""
     parts, pats = path.split("."), pattern.split(".")

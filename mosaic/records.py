@@ -25,9 +25,14 @@ CARD_NAME = "README.md"
 
 @dataclass
 class FileRecord:
+    """One file: its relative name, size and SHA-256 (the unit of PROVENANCE ``files`` and manifests)."""
+
     name: str
     size: int
     sha256: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "size": self.size, "sha256": self.sha256}
 
 
 @lru_cache(maxsize=1)

@@ -108,6 +108,8 @@ def digest_sources(
     work: list[tuple[str, str]] = [(sid, name) for sid, names in plan.used_files.items() for name in names]
     trusted: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}
     for sid, name in work:
+        if name not in plan.sources[sid].ckpt.headers:
+            continue  # configs, index, tokenizer: small, and not all are copied back to be compared: hash them
         path = plan.sources[sid].ckpt.root / name
         entry = digest_cache.lookup(path)
         if name in known.get(sid, {}):
@@ -157,7 +159,8 @@ def digest_sources(
                 raise VerificationError(f"source {sid!r}: {name} changed size while the build ran ({h.file_size} -> {d.size})")
             tensors = dict(zip(names, d.ranges))
             record = FileRecord(name, d.size, d.sha256)
-            digest_cache.store(path, d.sha256, tensors, identity_before=before)
+            if h is not None:
+                digest_cache.store(path, d.sha256, tensors, identity_before=before)
         fault_point("source")
         return sid, name, SourceFile(record, tensors)
 
