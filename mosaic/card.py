@@ -80,9 +80,13 @@ def render_block(doc: dict) -> str:
     lines.append(f"| Recipe | `{doc['recipe']['file']}`, SHA-256 `{doc['recipe']['sha256']}` |")
     lines += ["", "## What comes from where", ""]
     for sel in doc.get("selection", []):
+        if sel.get("keys"):
+            what = "keys " + ", ".join(f"`{k}`" for k in sel["keys"])
+        else:
+            what = f"layers {ranges(sel.get('layers', [])) or '—'}"
         lines.append(
-            f"- rule {sel['rule']}: from `{sel['from']}`, layers {ranges(sel.get('layers', [])) or '—'}: "
-            f"{sel.get('modules', 0):,} modules, {sel['tensors']:,} tensors, {sel.get('bytes', 0):,} bytes"
+            f"- rule {sel['rule']}: from `{sel['from']}`, {what}: "
+            f"{sel.get('modules', 0):,} module(s), {sel['tensors']:,} tensors, {sel.get('bytes', 0):,} bytes"
         )
     rows = layer_table(doc["tensors"])
     groups = [g for g in _GROUP_TITLES if any(g in sig for _, sig in rows)]
@@ -145,6 +149,7 @@ def render_card(doc: dict) -> bytes:
         "tensors from a higher-bitrate quantization of the same model. Nothing is re-quantized; every tensor is "
         f"byte-identical to the tensor of its source, and PROVENANCE.json records each one's SHA-256. "
         f"Built with mosaic {doc['tool']['version']}.",
+        "",
         "",
     ]
     return ("\n".join(front + head) + render_block(doc)).encode("utf-8")

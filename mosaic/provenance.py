@@ -52,6 +52,7 @@ def build_provenance(plan: BuildPlan, res: SpliceResult) -> dict:
                 "rule": rule.index,
                 "from": rule.donor,
                 "layers": plan.selection.layers_of_rule(rule.index),
+                **({"keys": list(rule.keys)} if rule.keys is not None else {}),
                 "modules": len(plan.selection.modules_of_rule.get(rule.index, [])),
                 "tensors": len(names),
                 "bytes": sum(nbytes[n] for n in names),

@@ -407,3 +407,15 @@ def test_digest_cache_spares_rereading_sources_and_cannot_fool_the_build(tmp_pat
     # and it can be turned off
     monkeypatch.setenv("MOSAIC_NO_DIGEST_CACHE", "1")
     assert digest_cache.lookup(doc["path"]) is None
+
+
+def test_card_names_key_rules_by_their_globs(sources, tmp_path: Path) -> None:
+    base, donor = sources
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, [
+        {"from": "q3", "layers": [4], "modules": ["mlp.experts"]},
+        {"from": "q3", "keys": ["lm_head.*"]},
+    ], at=tmp_path))
+    out = build(recipe, out=tmp_path / "o").out_dir
+    card = (out / "README.md").read_text()
+    assert "rule 1: from `q3`, keys `lm_head.*`: 1 module(s), 4 tensors" in card
+    assert "rule 0: from `q3`, layers 4:" in card

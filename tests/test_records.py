@@ -56,3 +56,11 @@ def test_dumps_round_trips(doc: dict) -> None:
     data = dumps(doc)
     assert json.loads(data) == doc
     assert dumps(json.loads(data)) == data
+
+
+def test_shipped_schema_is_the_project_root_schema() -> None:
+    """The build validates against the packaged copy; users read the one at the project root."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "PROVENANCE.schema.json"
+    assert json.loads(root.read_text()) == schema()
