@@ -20,6 +20,11 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _rate(r: float | None) -> str:
+    """A rate for people; a checkpoint without decoder EXL3 linears has none."""
+    return "-" if r is None else f"{r:.4f}"
+
+
 def _bits(v: list) -> str:
     return "/".join(f"{b:g}" for b in v) if v else "-"
 
@@ -80,8 +85,8 @@ def render_build(console: Console, s: dict) -> None:
         f"{s['tensors']:,} tensors, {s['from_donors']:,} from donors"
     )
     console.print(
-        f"rate: exact {rate['exact']:.4f} bpw (config bits {rate['config_bits']}), by bytes {rate['by_bytes']:.4f}, "
-        f"by layer mass {rate['by_layer_mass']:.4f}; base {rate['base']:.4f}"
+        f"rate: exact {_rate(rate['exact'])} bpw (config bits {rate['config_bits']}), by bytes {_rate(rate['by_bytes'])}, "
+        f"by layer mass {_rate(rate['by_layer_mass'])}; base {_rate(rate['base'])}"
     )
     t = Table(show_edge=False)
     t.add_column("check")

@@ -419,3 +419,17 @@ def test_card_names_key_rules_by_their_globs(sources, tmp_path: Path) -> None:
     card = (out / "README.md").read_text()
     assert "rule 1: from `q3`, keys `lm_head.*`: 1 module(s), 4 tensors" in card
     assert "rule 0: from `q3`, layers 4:" in card
+
+
+def test_build_summary_without_rates_prints() -> None:
+    from rich.console import Console
+
+    from mosaic.report import render_build
+
+    console = Console(record=True, width=120)
+    summary = {
+        "output": "o", "size": {"shards": 1}, "shards": {}, "tensors": 1, "from_donors": 0, "checks": [],
+        "rate": {"exact": None, "config_bits": None, "by_bytes": None, "by_layer_mass": None, "base": None},
+    }
+    render_build(console, summary)
+    assert "rate: exact - bpw" in console.export_text()
