@@ -33,16 +33,23 @@ fuzz: $(STAMP)
 		-k 'fuzz or test_records' -p no:cacheprovider
 
 # make release RECIPE=recipes/x.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1]
-# fetch -> build -> audit -> publish; make stops at the first step that fails.
-MOSAIC      = $(BIN)/python -m mosaic.cli
-RELEASE_OUT = $(or $(OUT),$(if $(RECIPE),$(shell $(BIN)/python -c 'import sys; from mosaic.recipe import load_recipe; print(load_recipe(sys.argv[1]).output_path())' '$(RECIPE)' 2>/dev/null)))
+# fetch -> build -> audit -> publish; stops at the first step that fails. Without OUT, the output
+# folder is the recipe's own; if it cannot be read (a bad recipe, a broken install) nothing runs.
+MOSAIC = $(BIN)/python -m mosaic.cli
 
 release: $(STAMP)
 	@test -n "$(RECIPE)" -a -n "$(REPO)" || { echo "usage: make release RECIPE=recipe.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1]" >&2; exit 2; }
-	$(MOSAIC) fetch '$(RECIPE)'
-	$(MOSAIC) build '$(RECIPE)' --out '$(RELEASE_OUT)' $(if $(FORCE),--force)
-	$(MOSAIC) audit '$(RELEASE_OUT)' --sources '$(RECIPE)'
-	$(MOSAIC) publish '$(RELEASE_OUT)' --repo '$(REPO)' $(if $(BRANCH),--branch '$(BRANCH)') $(if $(PRIVATE),--private)
+	@out='$(OUT)'; \
+	if [ -z "$$out" ]; then \
+	  out=$$($(BIN)/python -c 'import sys; from mosaic.recipe import load_recipe; print(load_recipe(sys.argv[1]).output_path())' '$(RECIPE)') \
+	    && [ -n "$$out" ] \
+	    || { echo "make release: cannot read the output folder of $(RECIPE) (see above); give OUT=dir or fix the recipe" >&2; exit 2; }; \
+	fi; \
+	set -ex; \
+	$(MOSAIC) fetch '$(RECIPE)'; \
+	$(MOSAIC) build '$(RECIPE)' --out "$$out" $(if $(FORCE),--force); \
+	$(MOSAIC) audit "$$out" --sources '$(RECIPE)'; \
+	$(MOSAIC) publish "$$out" --repo '$(REPO)' $(if $(BRANCH),--branch '$(BRANCH)') $(if $(PRIVATE),--private)
 
 clean:
 	rm -rf $(VENV) $(DEMO) out .pytest_cache .hypothesis

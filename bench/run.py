@@ -199,7 +199,7 @@ def case_metadata(runs: int) -> None:
         row("metadata: GLM geometry", "mosaic build / original pipeline", f"{built['mosaic build'] / built[ref]:.2f}", "target ≤ 0.25")
         row("metadata: GLM geometry", "mosaic audit / original pipeline", f"{audited['mosaic audit'] / built[ref]:.2f}", "target ≤ 0.15")
     t = timed(lambda: sh([*MOSAIC, "census", str(base), "--json"]))
-    from mosaic.checkpoint import open_checkpoint
+    from mosaic.checkpoint.folder import open_checkpoint
 
     n = len(open_checkpoint(base).tensor_file)
     row(*("census: GLM geometry", "mosaic census --json", f"{t:.2f} s", f"{n / t:,.0f} tensors/s"))
@@ -207,7 +207,7 @@ def case_metadata(runs: int) -> None:
 
 def case_census(runs: int) -> None:
     base = dataset("glm-base", glm_geometry(seed=1))
-    from mosaic.checkpoint import open_checkpoint
+    from mosaic.checkpoint.folder import open_checkpoint
 
     n = len(open_checkpoint(base).tensor_file)
     med = race("census: GLM geometry", {"mosaic census --json": (lambda: sh([*MOSAIC, "census", str(base), "--json"]), None)}, runs, "mosaic census --json")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .exl3 import bits_from_trellis, parse_key
-from .recipe import layer_runs
+from mosaic.checkpoint.exl3 import bits_from_trellis, parse_key
+from mosaic.recipe import layer_runs
 
 BEGIN = "<!-- mosaic:begin (generated from PROVENANCE.json; `mosaic audit` checks this block) -->"
 END = "<!-- mosaic:end -->"

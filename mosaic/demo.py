@@ -11,8 +11,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from .cli import main as cli
-from .testing import demo_geometry, write_checkpoint
+from mosaic.cli.commands import main as cli
+from mosaic.testing import demo_geometry, write_checkpoint
 
 
 def run(demo_dir: Path, recipe: Path) -> int:

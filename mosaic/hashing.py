@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .faults import CANCEL, check_cancel
+from mosaic.faults import CANCEL, check_cancel
 
 CHUNK_SIZE = 8 << 20
 RING = 3

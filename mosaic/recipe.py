@@ -2,7 +2,7 @@
 
 Read with a safe loader that also refuses duplicate keys (PyYAML silently keeps the last one) and
 any tag or alias trickery; every error names the recipe field (``replace[1].layers[2]``). Which
-tensors a rule selects is decided later, against the sources (see :mod:`mosaic.plan`); this module
+tensors a rule selects is decided later, against the sources (see :mod:`mosaic.build.layout`); this module
 only knows the recipe's own rules (CONTRACT.md, "Recipe").
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import RecipeError
+from mosaic.errors import RecipeError
 
 MAX_RECIPE_BYTES = 1 << 20
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")

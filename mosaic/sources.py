@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import SourceError
-from .recipe import SourceSpec
+from mosaic.errors import SourceError
+from mosaic.recipe import SourceSpec
 
 
 def hub_snapshot(repo: str, revision: str) -> Path:
     """The cached snapshot folder of ``repo`` at ``revision``; never touches the network.
 
-    Shared with ``mosaic fetch`` (:func:`mosaic.hub.resolve_snapshot`): the revision must be a pinned
+    Shared with ``mosaic fetch`` (:func:`mosaic.hub.snapshot.resolve_snapshot`): the revision must be a pinned
     commit, and a snapshot missing files of the hub's listing is an error naming them.
     """
-    from .hub import resolve_snapshot
+    from mosaic.hub.snapshot import resolve_snapshot
 
     return resolve_snapshot(repo, revision)
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .exl3 import MARKERS
-from .safetensors_reader import tensor_nbytes
+from mosaic.checkpoint.exl3 import MARKERS
+from mosaic.formats.safetensors_reader import tensor_nbytes
 
 _TORCH_DTYPES = {"BF16": "torch.bfloat16", "F16": "torch.float16", "F32": "torch.float32", "I16": "torch.int16", "I32": "torch.int32"}
 _ST_LIB_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I16": "int16", "I32": "int32"}
@@ -432,8 +432,8 @@ def rewrite_shard(path: str | Path, drop: set[str] = frozenset(), patch: dict[st
     import os
     import tempfile
 
-    from .safetensors_reader import read_header
-    from .safetensors_writer import OutTensor, layout_shard, write_shard
+    from mosaic.formats.safetensors_reader import read_header
+    from mosaic.formats.safetensors_writer import OutTensor, layout_shard, write_shard
 
     p = Path(path)
     h = read_header(p)

@@ -16,10 +16,10 @@ import yaml
 from click.testing import CliRunner
 from safetensors import deserialize
 
-from mosaic.build import PARTIAL_TAG, build
-from mosaic.cli import main
+from mosaic.build.provenance import validation_errors
+from mosaic.build.run import PARTIAL_TAG, build
+from mosaic.cli.commands import main
 from mosaic.errors import OutputError, RecipeError, SourceError, VerificationError
-from mosaic.provenance import validation_errors
 from mosaic.testing import Geometry, demo_geometry, write_checkpoint
 
 from .conftest import tree_digest
@@ -338,8 +338,8 @@ def test_source_error_types(sources, tmp_path: Path) -> None:
 def test_trusted_source_digests_skip_reads_but_are_still_checked(ckpt_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Digests verified at download let the build skip reading untouched shards and unused tensors;
     a wrong one is still caught when the copy is read back."""
-    from mosaic import splice as splice_mod
-    from mosaic.build import plan_build
+    from mosaic.build import splice as splice_mod
+    from mosaic.build.run import plan_build
     from mosaic.hashing import digest_file
     from mosaic.recipe import load_recipe
 
@@ -370,8 +370,8 @@ def test_trusted_source_digests_skip_reads_but_are_still_checked(ckpt_factory, t
 def test_digest_cache_spares_rereading_sources_and_cannot_fool_the_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json as _json
 
-    from mosaic import digest_cache
-    from mosaic import splice as splice_mod
+    from mosaic.build import digest_cache
+    from mosaic.build import splice as splice_mod
 
     monkeypatch.setenv("MOSAIC_CACHE_DIR", str(tmp_path / "cache"))
     g = BASE.with_(shard_size=1 << 20)
@@ -424,7 +424,7 @@ def test_card_names_key_rules_by_their_globs(sources, tmp_path: Path) -> None:
 def test_build_summary_without_rates_prints() -> None:
     from rich.console import Console
 
-    from mosaic.report import render_build
+    from mosaic.cli.render import render_build
 
     console = Console(record=True, width=120)
     summary = {

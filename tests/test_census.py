@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mosaic.census import analyze, census_report
-from mosaic.checkpoint import open_checkpoint
-from mosaic.cli import main
+from mosaic.checkpoint.census import analyze, census_report
+from mosaic.checkpoint.folder import open_checkpoint
+from mosaic.cli.commands import main
 from mosaic.errors import CheckpointError, SafetensorsError
 from mosaic.testing import demo_geometry, glm_geometry, rewrite_shard
 

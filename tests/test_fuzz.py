@@ -56,10 +56,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import mosaic
-from mosaic.build import build
-from mosaic.census import analyze
-from mosaic.checkpoint import INDEX_NAME, open_checkpoint
-from mosaic.cli import main
+from mosaic.build.run import build
+from mosaic.checkpoint.census import analyze
+from mosaic.checkpoint.folder import INDEX_NAME, open_checkpoint
+from mosaic.cli.commands import main
 from mosaic.errors import MosaicError, RecipeError
 from mosaic.recipe import parse_recipe
 from mosaic.records import MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME, parse_manifest

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mosaic.cli import main
-from mosaic.gguf_audit import audit_gguf
-from mosaic.gguf_export import export_gguf
-from mosaic.gguf_format import KV, layout, read_gguf
-from mosaic.gguf_vocab import PRE_TOKENIZERS, VocabError, convert_vocab, llamacpp_regex
+from mosaic.audit.gguf_folder import audit_gguf
+from mosaic.cli.commands import main
+from mosaic.formats.gguf_container import KV, layout, read_gguf
+from mosaic.gguf.export import export_gguf
+from mosaic.gguf.vocab import PRE_TOKENIZERS, VocabError, convert_vocab, llamacpp_regex
 from mosaic.testing import LLAMA3_REGEX, QWEN2_REGEX, Geometry, write_checkpoint
 
 LLAMA = Geometry(arch="llama", experts=0, layers=1, vocab=512)

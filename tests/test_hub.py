@@ -20,22 +20,13 @@ import yaml
 from click.testing import CliRunner
 
 from mosaic import __version__
-from mosaic.audit import audit
-from mosaic.build import build
-from mosaic.cli import main
+from mosaic.audit.run import audit
+from mosaic.build.run import build
+from mosaic.cli.commands import main
 from mosaic.errors import RecipeError, SourceError, VerificationError
-from mosaic.hub import (
-    PublishError,
-    cache_snapshot_folder,
-    compare_with_hub,
-    fetch,
-    fetch_snapshot,
-    publish,
-    record_path,
-    resolve_snapshot,
-    upload_plan,
-    verified_digests,
-)
+from mosaic.hub.fetch import fetch, fetch_snapshot
+from mosaic.hub.snapshot import cache_snapshot_folder, record_path, resolve_snapshot, verified_digests
+from mosaic.publish import PublishError, compare_with_hub, publish, upload_plan
 from mosaic.sources import hub_snapshot
 from mosaic.testing import demo_geometry
 
@@ -377,7 +368,7 @@ def test_publish_uploads_one_commit_and_reads_back_digests(hub: FakeHub, mosaic_
 
 
 def test_compare_with_hub_checks_every_file(mosaic_dir: Path) -> None:
-    from mosaic.hub import HubFile, digest_local
+    from mosaic.hub.snapshot import HubFile, digest_local
 
     items, _ = upload_plan(mosaic_dir)
     remote = {}
@@ -450,3 +441,16 @@ def test_make_release_runs_fetch_build_audit_publish(tmp_path: Path, ckpt_factor
         assert p.stdout.strip().splitlines()[-1] == commit
         assert [m for m, path in fake.log if "/commit/" in path] == ["POST"]
         assert TOKEN not in p.stdout + p.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_release_fails_loudly_when_the_output_folder_cannot_be_read(tmp_path: Path) -> None:
+    """Without OUT the folder comes from the recipe; a recipe that cannot be read stops everything."""
+    venv_bin = Path(sys.executable).parent
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    p = subprocess.run(["make", "-s", "-C", str(ROOT), "release", f"BIN={venv_bin}", "STAMP=pyproject.toml",
+                        f"RECIPE={bad}", "REPO=test-org/rel"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "make release: cannot read the output folder" in p.stderr
+    assert "mosaic.cli fetch" not in p.stderr + p.stdout  # nothing ran after the failed lookup

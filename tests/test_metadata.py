@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from fractions import Fraction
 
-from mosaic import metadata
-from mosaic.checkpoint import entry_spans, parse_span
+from mosaic.build import metadata
+from mosaic.checkpoint.folder import entry_spans, parse_span
 
 
 def _qconfig(bits: float, n: int, donor: bool = False) -> dict:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from mosaic.errors import SafetensorsError
-from mosaic.safetensors_reader import MAX_HEADER_SIZE, parse_header, read_header
+from mosaic.formats.safetensors_reader import MAX_HEADER_SIZE, parse_header, read_header
 
 FUZZ_EXAMPLES = int(os.environ.get("MOSAIC_FUZZ_EXAMPLES", "300"))
 

@@ -19,20 +19,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .card import render_card
-from .census import Analysis, analyze
-from .checkpoint import open_checkpoint
-from .errors import OutputError, SourceError
-from .faults import point as fault_point
-from .hashing import sha256_bytes
-from .plan import BuildPlan, make_plan
-from .progress import SILENT, Reporter
-from .provenance import build_provenance, checked_dumps
-from .recipe import Recipe, load_recipe
-from .records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, FileRecord, manifest
-from .selection import donor_modules, pick, select
-from .sources import resolve_source
-from .splice import SpliceResult, splice
+from mosaic.build.layout import BuildPlan, make_plan
+from mosaic.build.provenance import build_provenance, checked_dumps
+from mosaic.build.selection import donor_modules, pick, select
+from mosaic.build.splice import SpliceResult, splice
+from mosaic.card import render_card
+from mosaic.checkpoint.census import Analysis, analyze
+from mosaic.checkpoint.folder import open_checkpoint
+from mosaic.errors import OutputError, SourceError
+from mosaic.faults import point as fault_point
+from mosaic.hashing import sha256_bytes
+from mosaic.progress import SILENT, Reporter
+from mosaic.recipe import Recipe, load_recipe
+from mosaic.records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, FileRecord, manifest
+from mosaic.sources import resolve_source
 
 PARTIAL_TAG = ".mosaic-partial-"
 #: Room kept free beyond the planned bytes (filesystem metadata, the provenance files).
@@ -79,7 +79,7 @@ def _verified_digests(recipe: Recipe) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for sid, spec in {"base": recipe.base, **recipe.donors}.items():
         if spec.repo is not None and spec.revision is not None:
-            from .hub import verified_digests
+            from mosaic.hub.snapshot import verified_digests
 
             d = verified_digests(spec.repo, spec.revision)
             if d:

@@ -30,9 +30,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import load_json, text_config
-from .errors import MosaicError
-from .gguf_format import ARRAY, BOOL, FLOAT32, INT32, KV, STRING, UINT8, UINT32
+from mosaic.checkpoint.folder import load_json, text_config
+from mosaic.errors import MosaicError
+from mosaic.formats.gguf_container import ARRAY, BOOL, FLOAT32, INT32, KV, STRING, UINT8, UINT32
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"

@@ -16,8 +16,8 @@ from typing import Any
 import click
 from rich.console import Console
 
-from . import __version__
-from .errors import MosaicError
+from mosaic import __version__
+from mosaic.errors import MosaicError
 
 
 def _fail(message: str, code: int) -> None:
@@ -67,9 +67,9 @@ def census(directory: Path, as_json: bool) -> None:
 
     Exit 0 with no problems, 1 with problems, 2 when the checkpoint cannot be read.
     """
-    from .census import analyze, census_report
-    from .checkpoint import open_checkpoint
-    from .report import render_census
+    from mosaic.checkpoint.census import analyze, census_report
+    from mosaic.checkpoint.folder import open_checkpoint
+    from mosaic.cli.render import render_census
 
     rep = census_report(analyze(open_checkpoint(directory)))
     if as_json:
@@ -89,9 +89,9 @@ def census(directory: Path, as_json: bool) -> None:
 @_guarded
 def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: bool, as_json: bool) -> None:
     """Build the mosaic described by the YAML RECIPE, byte for byte, with PROVENANCE.json."""
-    from .build import build as run_build
-    from .progress import reporter
-    from .report import render_build
+    from mosaic.build.run import build as run_build
+    from mosaic.cli.render import render_build
+    from mosaic.progress import reporter
 
     with reporter(False if as_json else None) as progress:
         res = run_build(recipe, out=out, force=force, jobs=jobs, link=link, progress=progress)
@@ -128,8 +128,8 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
 def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None, target_rate: str | None,
          layers: int | None, unit: str, out: Path | None, as_json: bool) -> None:
     """Choose which units to upgrade under a budget, exactly (not greedily), and write the recipe."""
-    from .budget import PlanRequest, parse_donor_arg, parse_size, plan_mosaic
-    from .report import render_plan
+    from mosaic.cli.render import render_plan
+    from mosaic.plan.planner import PlanRequest, parse_donor_arg, parse_size, plan_mosaic
 
     req = PlanRequest(
         base=base,
@@ -168,10 +168,11 @@ def audit(directory: Path, sources: str | None, jobs: int | None, as_json: bool)
 
     Exit 0 when every check passes, 1 when any fails, 2 when DIRECTORY is not a mosaic.
     """
-    from .audit import NotAMosaic, audit_report_json, find_mosaics
-    from .audit import audit as run_audit
-    from .progress import reporter
-    from .report import render_audit
+    from mosaic.audit.report import NotAMosaic, audit_report_json
+    from mosaic.audit.run import audit as run_audit
+    from mosaic.audit.run import find_mosaics
+    from mosaic.cli.render import render_audit
+    from mosaic.progress import reporter
 
     folders = find_mosaics(directory) if directory.is_dir() else []
     if not folders:
@@ -207,8 +208,8 @@ def export() -> None:
 def export_gguf_cmd(directory: Path, out: Path, split_max_size: str, no_tensor_first_split: bool,
                     name: str | None, as_json: bool) -> None:
     """Repackage DIRECTORY for ranma.cpp: EXL3 tensors bit for bit in GGUF shards, with manifest.json."""
-    from .gguf_export import export_gguf, export_summary, parse_size
-    from .progress import reporter
+    from mosaic.gguf.export import export_gguf, export_summary, parse_size
+    from mosaic.progress import reporter
 
     size = parse_size(split_max_size)
     with reporter(False if as_json else None) as progress:
@@ -246,8 +247,8 @@ def fetch(recipe: Path, local_dir: Path | None, jobs: int | None, as_json: bool)
     so that a build need not hash an unchanged file again. With HF_HUB_OFFLINE=1 the cache is
     checked instead. Exit 1 when a file differs from the hub's digest (it is removed: fetch again).
     """
-    from .hub import fetch as run_fetch
-    from .progress import reporter
+    from mosaic.hub.fetch import fetch as run_fetch
+    from mosaic.progress import reporter
 
     show = not as_json and sys.stderr.isatty()
     with reporter(False if as_json else None) as progress:
@@ -281,8 +282,8 @@ def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_r
     of every uploaded file is compared with sha256-manifest.txt (exit 1 on any difference) and the
     commit id is printed. The token comes from huggingface_hub's usual places (HF_TOKEN, `hf auth login`).
     """
-    from .hub import publish as run_publish
-    from .progress import reporter
+    from mosaic.progress import reporter
+    from mosaic.publish import publish as run_publish
 
     show = not as_json and sys.stderr.isatty()
     with reporter(False if as_json else None) as progress:

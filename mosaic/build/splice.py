@@ -22,14 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import digest_cache
-from .errors import VerificationError
-from .faults import point as fault_point
-from .hashing import digest_file, digest_ranges, parallel_map
-from .plan import BuildPlan, ShardPlan
-from .progress import SILENT, Reporter
-from .records import FileRecord
-from .safetensors_writer import CHUNK_SIZE, copy_range, write_shard
+from mosaic.build import digest_cache
+from mosaic.build.layout import BuildPlan, ShardPlan
+from mosaic.errors import VerificationError
+from mosaic.faults import point as fault_point
+from mosaic.formats.safetensors_writer import CHUNK_SIZE, copy_range, write_shard
+from mosaic.hashing import digest_file, digest_ranges, parallel_map
+from mosaic.progress import SILENT, Reporter
+from mosaic.records import FileRecord
 
 
 @dataclass

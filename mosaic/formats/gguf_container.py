@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .errors import FormatError
+from mosaic.errors import FormatError
 
 MAGIC = b"GGUF"
 VERSION = 3

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from . import __version__
-from .errors import VerificationError
-from .plan import BuildPlan
-from .records import PROVENANCE_NAME, RECIPE_NAME, SCHEMA_ID, FileRecord, dumps, validation_errors
-from .splice import SpliceResult
+from mosaic import __version__
+from mosaic.build.layout import BuildPlan
+from mosaic.build.splice import SpliceResult
+from mosaic.errors import VerificationError
+from mosaic.records import PROVENANCE_NAME, RECIPE_NAME, SCHEMA_ID, FileRecord, dumps, validation_errors
 
 
 def _rate(r: Fraction | float | None) -> float | None:

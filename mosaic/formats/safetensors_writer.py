@@ -20,9 +20,9 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .faults import check_cancel
-from .faults import point as fault_point
-from .safetensors_reader import DTYPE_BITS, tensor_nbytes
+from mosaic.faults import check_cancel
+from mosaic.faults import point as fault_point
+from mosaic.formats.safetensors_reader import DTYPE_BITS, tensor_nbytes
 
 #: Bytes copied per step when the kernel copy is not available; bounds memory per shard.
 CHUNK_SIZE = 8 << 20

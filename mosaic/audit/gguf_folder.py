@@ -1,15 +1,15 @@
 """``mosaic audit`` of a GGUF export folder (``manifest.json`` + ``*.gguf``, no PROVENANCE.json).
 
 Re-derives what ``manifest.json`` claims from the files alone, with the strict container reader
-(:mod:`mosaic.gguf_format`) and never the exporter's plan: every file's size and SHA-256 (and no
+(:mod:`mosaic.formats.gguf_container`) and never the exporter's plan: every file's size and SHA-256 (and no
 unlisted file, no link), every shard's structure, the split keys across shards, every tensor's info
 and digest. With ``sources``, every tensor is rebuilt from the safetensors tensors it claims to come
 from and compared by digest: the trellis re-tiling is recomputed here independently, whole source
 tensor at a time, as the fork's ``to_ggml`` states it (``[K/16, N/16, w] -> [N/128, K/16, 8, w]``).
 The tokenizer keys of the first shard must be complete and consistent whenever tokens are there;
 with ``sources`` they must equal a fresh conversion of the source's tokenizer files
-(:mod:`mosaic.gguf_vocab`), whose digests must equal those manifest.json records.
-The report uses :mod:`mosaic.audit`'s classes so the CLI renders it like a mosaic audit.
+(:mod:`mosaic.gguf.vocab`), whose digests must equal those manifest.json records.
+The report uses :mod:`mosaic.audit.report`'s classes so the CLI renders it like a mosaic audit.
 """
 
 from __future__ import annotations
@@ -21,12 +21,21 @@ from pathlib import Path
 
 import numpy as np
 
-from .audit import AuditReport, _walk
-from .checkpoint import check_relative_name, load_json, open_checkpoint
-from .errors import MosaicError
-from .gguf_format import ARRAY, INT32, STRING, UINT32, GGUFError, GGUFFile, exl3_bits2, read_gguf
-from .hashing import digest_file, parallel_map
-from .progress import SILENT, Reporter
+from mosaic.audit.report import AuditReport, walk_folder
+from mosaic.checkpoint.folder import check_relative_name, load_json, open_checkpoint
+from mosaic.errors import MosaicError
+from mosaic.formats.gguf_container import (
+    ARRAY,
+    INT32,
+    STRING,
+    UINT32,
+    GGUFError,
+    GGUFFile,
+    exl3_bits2,
+    read_gguf,
+)
+from mosaic.hashing import digest_file, parallel_map
+from mosaic.progress import SILENT, Reporter
 
 MANIFEST = "manifest.json"
 SCHEMA = "mosaic.gguf-manifest/v1"
@@ -133,7 +142,7 @@ def audit_gguf(
     rep = AuditReport(root)
     rep.ran.extend(c for c in CHECKS if c != "sources" or sources)
     jobs = jobs or os.cpu_count() or 1
-    names = _walk(root, rep)
+    names = walk_folder(root, rep)
     try:
         doc = load_json(root / MANIFEST, "manifest")
     except MosaicError as e:
@@ -271,7 +280,7 @@ def _tokenizer_checks(rep: AuditReport, parsed: dict[str, GGUFFile], doc: dict) 
 
 def _tokenizer_sources(rep: AuditReport, doc: dict, src: Path, config: dict | None, parsed: dict[str, GGUFFile]) -> None:
     """The tokenizer keys against a fresh conversion of the source's files, and those files' digests."""
-    from .gguf_vocab import convert_vocab
+    from mosaic.gguf.vocab import convert_vocab
 
     first = _first_shard(parsed)
     if first is None:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SafetensorsError
+from mosaic.errors import SafetensorsError
 
 #: The reference reader's cap on the JSON header (bytes).
 MAX_HEADER_SIZE = 100_000_000

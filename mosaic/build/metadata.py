@@ -13,9 +13,9 @@ import re
 from collections.abc import Mapping
 from fractions import Fraction
 
-from .census import ST_TO_TORCH
-from .checkpoint import entry_spans, parse_span
-from .errors import SourceError
+from mosaic.checkpoint.census import ST_TO_TORCH
+from mosaic.checkpoint.folder import entry_spans, parse_span
+from mosaic.errors import SourceError
 
 
 def dumps(doc: object) -> bytes:

@@ -18,8 +18,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from .errors import CheckpointError, FormatError
-from .safetensors_reader import DuplicateKey, ShardHeader, TensorInfo, read_header, strict_json_loads
+from mosaic.errors import CheckpointError, FormatError
+from mosaic.formats.safetensors_reader import (
+    DuplicateKey,
+    ShardHeader,
+    TensorInfo,
+    read_header,
+    strict_json_loads,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

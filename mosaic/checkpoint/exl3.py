@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
 
-from .safetensors_reader import TensorInfo
+from mosaic.formats.safetensors_reader import TensorInfo
 
 QUANT_SUFFIXES = frozenset({"trellis", "suh", "svh", "su", "sv", "mul1", "mcg", "bias"})
 MARKERS = {"mul1": 0x83DCD12D, "mcg": 0xCBAC1FED}

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
 
-from .checkpoint import Checkpoint, read_small_tensors
-from .exl3 import (
+from mosaic.checkpoint.exl3 import (
     GROUPS,
     Module,
     assign_codebooks,
@@ -26,6 +25,7 @@ from .exl3 import (
     marker_names,
     module_problems,
 )
+from mosaic.checkpoint.folder import Checkpoint, read_small_tensors
 
 TORCH_DTYPES = {
     "torch.bool": "BOOL",

@@ -21,7 +21,7 @@ a tensor those tables cannot name is refused, never guessed. MTP layers (index >
 and vision towers are left out (the fork's converter does not convert them either) and listed.
 
 The tokenizer metadata (``tokenizer.ggml.*``, ``tokenizer.chat_template``) comes from
-:mod:`mosaic.gguf_vocab`; a checkpoint whose tokenizer it cannot convert exactly is refused, since
+:mod:`mosaic.gguf.vocab`; a checkpoint whose tokenizer it cannot convert exactly is refused, since
 ranma.cpp does not load a file without one.
 
 Memory is bounded by a few 8 MiB buffers whatever the size of a stacked tensor; the output is
@@ -42,12 +42,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__
-from .census import analyze
-from .checkpoint import open_checkpoint, text_config
-from .errors import MosaicError, OutputError, VerificationError
-from .exl3 import Module, module_key
-from .gguf_format import (
+from mosaic import __version__
+from mosaic.checkpoint.census import analyze
+from mosaic.checkpoint.exl3 import Module, module_key
+from mosaic.checkpoint.folder import open_checkpoint, text_config
+from mosaic.errors import MosaicError, OutputError, VerificationError
+from mosaic.formats.gguf_container import (
     FLOAT32,
     GGML_TYPE_OF_DTYPE,
     INT32,
@@ -61,9 +61,9 @@ from .gguf_format import (
     layout,
     type_name,
 )
-from .gguf_vocab import Vocab, convert_vocab
-from .hashing import digest_file
-from .progress import SILENT, Reporter
+from mosaic.gguf.vocab import Vocab, convert_vocab
+from mosaic.hashing import digest_file
+from mosaic.progress import SILENT, Reporter
 
 MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = "mosaic.gguf-manifest/v1"

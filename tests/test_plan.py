@@ -12,24 +12,16 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from mosaic.budget import (
-    Option,
-    PlanError,
-    PlanRequest,
-    ScoresError,
-    SizeModel,
-    choose_count,
-    find_units,
-    parse_size,
-    plan_mosaic,
-    solve_knapsack,
-    solve_pareto,
-)
-from mosaic.build import build
-from mosaic.census import analyze
-from mosaic.checkpoint import open_checkpoint
-from mosaic.cli import main
+from mosaic.build.run import build
+from mosaic.checkpoint.census import analyze
+from mosaic.checkpoint.folder import open_checkpoint
+from mosaic.cli.commands import main
 from mosaic.errors import MosaicError
+from mosaic.plan.costs import SizeModel, bit_weight_deltas
+from mosaic.plan.planner import PlanRequest, parse_size, plan_mosaic
+from mosaic.plan.scores import ScoresError
+from mosaic.plan.solver import Option, choose_count, solve_knapsack, solve_pareto
+from mosaic.plan.units import PlanError, find_units
 from mosaic.testing import demo_geometry
 
 BASE = demo_geometry(bits=2, seed=1)  # exllamav3-style headers: unpadded, so a rewrite grows them
@@ -205,7 +197,7 @@ def test_predicted_size_equals_built_size(srcs, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("base_is_library", [False, True])
 def test_size_model_counts_header_bytes_as_the_writer_writes_them(srcs, base_is_library: bool) -> None:
-    from mosaic.safetensors_writer import encode_header
+    from mosaic.formats.safetensors_writer import encode_header
 
     base, d3, d4 = srcs
     if base_is_library:  # padded headers with __metadata__
@@ -274,7 +266,6 @@ def test_target_rate_is_the_best_score_within_the_exact_rate(srcs, tmp_path: Pat
     res = plan_mosaic(request(base, [("q3", d3)], scores, target_rate="2.5", out=tmp_path / "r.yaml"))
     assert res.report["rate"]["exact"] <= 2.5
     # brute force with the real planner's rate
-    from mosaic.budget import bit_weight_deltas
 
     b = analyze(open_checkpoint(base))
     units = find_units(b, "layer-experts")

@@ -12,11 +12,11 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from .census import Analysis
-from .checkpoint import text_config
-from .errors import RecipeError, SourceError
-from .exl3 import Module, expert_groups, fusion_problems
-from .recipe import Recipe, Rule
+from mosaic.checkpoint.census import Analysis
+from mosaic.checkpoint.exl3 import Module, expert_groups, fusion_problems
+from mosaic.checkpoint.folder import text_config
+from mosaic.errors import RecipeError, SourceError
+from mosaic.recipe import Recipe, Rule
 
 #: config.json fields that must agree between base and donor (when both have them).
 ARCH_FIELDS = (

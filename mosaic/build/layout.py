@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from . import metadata
-from .census import Analysis
-from .checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
-from .errors import SourceError
-from .exl3 import Module, exact_rate, is_decoder_linear
-from .recipe import Recipe
-from .records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME
-from .safetensors_writer import OutTensor, ShardLayout, layout_shard
-from .selection import Selection
+from mosaic.build import metadata
+from mosaic.build.selection import Selection
+from mosaic.checkpoint.census import Analysis
+from mosaic.checkpoint.exl3 import Module, exact_rate, is_decoder_linear
+from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
+from mosaic.errors import SourceError
+from mosaic.formats.safetensors_writer import OutTensor, ShardLayout, layout_shard
+from mosaic.recipe import Recipe
+from mosaic.records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME
 
 #: Files a mosaic writes itself; the base's own copies describe the base, not the mosaic.
 OWN_FILES = frozenset({RECIPE_NAME, PROVENANCE_NAME, MANIFEST_NAME, CARD_NAME, INDEX_NAME, CONFIG_NAME, QCONFIG_NAME})

@@ -7,27 +7,34 @@ and each tensor's digest (for PROVENANCE ``tensors``). Each failure names its ch
 where there is one, the tensor. With ``sources``, every tensor is also compared with the tensor of
 the source it claims to come from.
 
-This module must not import :mod:`mosaic.plan`, :mod:`mosaic.selection` or :mod:`mosaic.build`.
+This module must not import anything of :mod:`mosaic.build` (tests/test_layering.py holds it to that).
 """
 
 from __future__ import annotations
 
 import os
-import stat
 from collections import defaultdict
-from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from .card import extract_block, render_block
-from .census import analyze
-from .checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, check_relative_name, load_json, open_checkpoint
-from .errors import CheckpointError, FormatError, MosaicError, RecipeError, SafetensorsError
-from .exl3 import parse_key
-from .hashing import digest_file, parallel_map
-from .progress import SILENT, Reporter
-from .recipe import Recipe, parse_recipe
-from .records import (
+from mosaic.audit.report import AuditReport, NotAMosaic, walk_folder
+from mosaic.card import extract_block, render_block
+from mosaic.checkpoint.census import analyze
+from mosaic.checkpoint.exl3 import parse_key
+from mosaic.checkpoint.folder import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    QCONFIG_NAME,
+    check_relative_name,
+    load_json,
+    open_checkpoint,
+)
+from mosaic.errors import CheckpointError, FormatError, MosaicError, RecipeError, SafetensorsError
+from mosaic.formats.safetensors_reader import ShardHeader, read_header
+from mosaic.hashing import digest_file, parallel_map
+from mosaic.progress import SILENT, Reporter
+from mosaic.recipe import Recipe, parse_recipe
+from mosaic.records import (
     CARD_NAME,
     MANIFEST_NAME,
     PROVENANCE_NAME,
@@ -36,7 +43,6 @@ from .records import (
     parse_manifest,
     validation_errors,
 )
-from .safetensors_reader import ShardHeader, read_header
 
 CHECKS = (
     "folder",
@@ -53,82 +59,6 @@ CHECKS = (
 )
 
 
-@dataclass
-class Failure:
-    check: str
-    detail: str
-    file: str | None = None
-    tensor: str | None = None
-
-    def as_dict(self) -> dict[str, str | None]:
-        return {"check": self.check, "file": self.file, "tensor": self.tensor, "detail": self.detail}
-
-
-@dataclass
-class AuditReport:
-    path: Path
-    ran: list[str] = field(default_factory=list)
-    failures: list[Failure] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def fail(self, check: str, detail: str, file: str | None = None, tensor: str | None = None) -> None:
-        self.failures.append(Failure(check, detail, file, tensor))
-
-    def as_dict(self) -> dict[str, object]:
-        by_check: dict[str, list[dict]] = defaultdict(list)
-        for f in self.failures:
-            by_check[f.check].append(f.as_dict())
-        return {
-            "path": str(self.path),
-            "ok": self.ok,
-            "counts": self.counts,
-            "checks": [{"name": c, "ok": not by_check.get(c), "failures": by_check.get(c, [])} for c in self.ran],
-        }
-
-
-class NotAMosaic(MosaicError):
-    """The folder holds no PROVENANCE.json: exit 2."""
-
-
-#: What the hub adds to a downloaded mosaic: its ``.gitattributes`` (LFS rules) and, with
-#: ``--local-dir``, huggingface_hub's own download metadata. Neither is loaded by exllamav3 (it reads
-#: top-level ``*.safetensors`` and the configs), so the audit skips them and counts them, rather than
-#: failing every consumer's download.
-HUB_ARTEFACTS = (".gitattributes", ".cache/huggingface")
-
-
-def _walk(root: Path, rep: AuditReport) -> list[str]:
-    """Every regular file below ``root`` as a relative name; links and odd files are failures."""
-    names: list[str] = []
-    ignored = 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        d = Path(dirpath)
-        for entry in sorted(dirnames + filenames):
-            p = d / entry
-            rel = p.relative_to(root).as_posix()
-            if rel in HUB_ARTEFACTS and not p.is_symlink():
-                ignored += sum(len(f) for _, _, f in os.walk(p)) if p.is_dir() else 1
-                if entry in dirnames:
-                    dirnames.remove(entry)
-                continue
-            st = os.lstat(p)
-            if stat.S_ISLNK(st.st_mode):
-                rep.fail("folder", "symbolic link in a mosaic folder (mosaic never writes one)", file=rel)
-                if entry in dirnames:
-                    dirnames.remove(entry)
-            elif stat.S_ISREG(st.st_mode):
-                names.append(rel)
-            elif not stat.S_ISDIR(st.st_mode):
-                rep.fail("folder", "not a regular file", file=rel)
-    if ignored:
-        rep.counts["hub_files_ignored"] = ignored
-    return sorted(names)
-
-
 def _expected_source(recipe: Recipe, name: str) -> tuple[str, int | None]:
     """Which source the recipe's rules give a tensor (the base when no rule takes it)."""
     key, _, _ = name.rpartition(".")
@@ -139,7 +69,7 @@ def _expected_source(recipe: Recipe, name: str) -> tuple[str, int | None]:
     return "base", None
 
 
-def audit(
+def audit_mosaic(
     folder: str | Path,
     *,
     sources: bool | str | Path = False,
@@ -151,16 +81,12 @@ def audit(
     root = Path(folder)
     if not root.is_dir():
         raise NotAMosaic(f"{root}: not a folder")
-    from .gguf_audit import audit_gguf, is_gguf_folder  # a GGUF export has its own audit
-
-    if is_gguf_folder(root):
-        return audit_gguf(root, sources=sources, jobs=jobs, progress=progress)
     if not (root / PROVENANCE_NAME).is_file() and not (root / PROVENANCE_NAME).is_symlink():
         raise NotAMosaic(f"{root}: no {PROVENANCE_NAME}; not a mosaic folder")
     rep = AuditReport(root)
     jobs = jobs or os.cpu_count() or 1
     rep.ran.append("folder")
-    files = _walk(root, rep)
+    files = walk_folder(root, rep)
     fileset = set(files)
 
     # --- manifest ------------------------------------------------------------------------------
@@ -406,8 +332,8 @@ def _audit_sources(
     progress: Reporter,
 ) -> None:
     """Compare every output tensor with the tensor of the source it claims (true equality)."""
-    from .recipe import load_recipe
-    from .sources import resolve_source
+    from mosaic.recipe import load_recipe
+    from mosaic.sources import resolve_source
 
     if sources is not True:
         try:
@@ -464,21 +390,3 @@ def _audit_sources(
     rep.counts["source_tensors"] = sum(len(v) for v in wanted.values())
 
 
-def find_mosaics(folder: str | Path) -> list[Path]:
-    """The folder itself if it is a mosaic (or a GGUF export), else every such folder below it."""
-    from .gguf_audit import is_gguf_folder
-
-    root = Path(folder)
-    if (root / PROVENANCE_NAME).exists() or is_gguf_folder(root):
-        return [root]
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        if PROVENANCE_NAME in filenames or is_gguf_folder(dirpath):
-            found.append(Path(dirpath))
-            dirnames[:] = []
-    return found
-
-
-def audit_report_json(reports: list[AuditReport]) -> dict[str, object]:
-    return {"ok": all(r.ok for r in reports), "mosaics": [r.as_dict() for r in reports]}

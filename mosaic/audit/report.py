@@ -1,0 +1,98 @@
+"""What every audit returns, and the walk of a folder that every audit starts with.
+
+Neutral ground shared by the audit of an EXL3 mosaic (:mod:`mosaic.audit.mosaic_folder`) and of a
+GGUF export (:mod:`mosaic.audit.gguf_folder`): a report is a list of named checks and failures, each
+failure naming its check, the file and, where there is one, the tensor, so that every renderer and
+``--json`` show both kinds of folder alike.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mosaic.errors import MosaicError
+
+
+@dataclass
+class Failure:
+    check: str
+    detail: str
+    file: str | None = None
+    tensor: str | None = None
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"check": self.check, "file": self.file, "tensor": self.tensor, "detail": self.detail}
+
+
+@dataclass
+class AuditReport:
+    path: Path
+    ran: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def fail(self, check: str, detail: str, file: str | None = None, tensor: str | None = None) -> None:
+        self.failures.append(Failure(check, detail, file, tensor))
+
+    def as_dict(self) -> dict[str, object]:
+        by_check: dict[str, list[dict]] = defaultdict(list)
+        for f in self.failures:
+            by_check[f.check].append(f.as_dict())
+        return {
+            "path": str(self.path),
+            "ok": self.ok,
+            "counts": self.counts,
+            "checks": [{"name": c, "ok": not by_check.get(c), "failures": by_check.get(c, [])} for c in self.ran],
+        }
+
+
+class NotAMosaic(MosaicError):
+    """The folder holds no PROVENANCE.json: exit 2."""
+
+
+#: What the hub adds to a downloaded mosaic: its ``.gitattributes`` (LFS rules) and, with
+#: ``--local-dir``, huggingface_hub's own download metadata. Neither is loaded by exllamav3 (it reads
+#: top-level ``*.safetensors`` and the configs), so the audit skips them and counts them, rather than
+#: failing every consumer's download.
+HUB_ARTEFACTS = (".gitattributes", ".cache/huggingface")
+
+
+def walk_folder(root: Path, rep: AuditReport) -> list[str]:
+    """Every regular file below ``root`` as a relative name; links and odd files are failures."""
+    names: list[str] = []
+    ignored = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        d = Path(dirpath)
+        for entry in sorted(dirnames + filenames):
+            p = d / entry
+            rel = p.relative_to(root).as_posix()
+            if rel in HUB_ARTEFACTS and not p.is_symlink():
+                ignored += sum(len(f) for _, _, f in os.walk(p)) if p.is_dir() else 1
+                if entry in dirnames:
+                    dirnames.remove(entry)
+                continue
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                rep.fail("folder", "symbolic link in a mosaic folder (mosaic never writes one)", file=rel)
+                if entry in dirnames:
+                    dirnames.remove(entry)
+            elif stat.S_ISREG(st.st_mode):
+                names.append(rel)
+            elif not stat.S_ISDIR(st.st_mode):
+                rep.fail("folder", "not a regular file", file=rel)
+    if ignored:
+        rep.counts["hub_files_ignored"] = ignored
+    return sorted(names)
+
+
+
+def audit_report_json(reports: list[AuditReport]) -> dict[str, object]:
+    return {"ok": all(r.ok for r in reports), "mosaics": [r.as_dict() for r in reports]}

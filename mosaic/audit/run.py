@@ -1,0 +1,50 @@
+"""``mosaic audit``'s entry: which audit a folder gets, and which folders below a path are mosaics.
+
+An EXL3 mosaic (a folder with PROVENANCE.json) gets :func:`mosaic.audit.mosaic_folder.audit_mosaic`;
+a GGUF export (a folder with a GGUF ``manifest.json``) gets :func:`mosaic.audit.gguf_folder.audit_gguf`.
+Both return an :class:`mosaic.audit.report.AuditReport`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mosaic.audit.gguf_folder import audit_gguf, is_gguf_folder
+from mosaic.audit.mosaic_folder import audit_mosaic
+from mosaic.audit.report import AuditReport, NotAMosaic
+from mosaic.progress import SILENT, Reporter
+from mosaic.records import PROVENANCE_NAME
+
+
+def audit(
+    folder: str | Path,
+    *,
+    sources: bool | str | Path = False,
+    jobs: int | None = None,
+    progress: Reporter = SILENT,
+) -> AuditReport:
+    """Audit one mosaic folder or GGUF export. ``sources``: True to resolve sources from the folder's own
+    recipe (paths relative to the current directory), or the recipe file the build used."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise NotAMosaic(f"{root}: not a folder")
+    if is_gguf_folder(root):
+        return audit_gguf(root, sources=sources, jobs=jobs, progress=progress)
+    return audit_mosaic(root, sources=sources, jobs=jobs, progress=progress)
+
+
+def find_mosaics(folder: str | Path) -> list[Path]:
+    """The folder itself if it is a mosaic (or a GGUF export), else every such folder below it."""
+    root = Path(folder)
+    if (root / PROVENANCE_NAME).exists() or is_gguf_folder(root):
+        return [root]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        if PROVENANCE_NAME in filenames or is_gguf_folder(dirpath):
+            found.append(Path(dirpath))
+            dirnames[:] = []
+    return found
+
+

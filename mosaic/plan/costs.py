@@ -1,0 +1,126 @@
+"""Exact costs, from the headers: tensor bytes for ``--max-size`` and bits × weights for
+``--target-rate``. The output size of any chosen set is computed the way :mod:`mosaic.build.layout`
+lays shards out (header growth and padding included), so the prediction is the built size to the byte.
+"""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+from mosaic.checkpoint.census import Analysis
+from mosaic.checkpoint.exl3 import is_decoder_linear
+from mosaic.formats.safetensors_writer import encode_header
+from mosaic.plan.units import Unit
+
+# --- exact costs --------------------------------------------------------------------------------
+
+
+class SizeModel:
+    """The exact size (Σ .safetensors file sizes) of the mosaic for any choice, as make_plan lays it out."""
+
+    def __init__(self, base: Analysis, donors: dict[str, Analysis], units: list[Unit]) -> None:
+        ck = base.ckpt
+        self.base, self.donors, self.units = base, donors, units
+        self.unit_tensors = {u.index: [f"{k}.{s}" for k in u.modules for s in base.modules[k].tensors] for u in units}
+        self.shard_of = dict(ck.tensor_file)
+        self.base_size = ck.shard_bytes
+        self._cache: dict[tuple[str, tuple[tuple[int, str], ...]], int] = {}
+        self._fixed: dict[str, tuple[int, list[int]]] = {}
+        self.delta: dict[tuple[int, str], int] = {}
+        for u in units:
+            for did, d in donors.items():
+                self.delta[(u.index, did)] = sum(
+                    d.ckpt.tensor(n).nbytes - ck.tensor(n).nbytes for n in self.unit_tensors[u.index]
+                )
+        self.header_low = self._header_lower_bound()
+
+    def _donor_tensor(self, did: str, name: str) -> tuple[str, tuple[int, ...], int]:
+        t = self.donors[did].ckpt.tensor(name)
+        return t.dtype, t.shape, t.nbytes
+
+    def _header_lower_bound(self) -> int:
+        """A lower bound on header growth over every possible choice (≤ 0): each shard's header with
+        every tensor at its shortest shape and smallest size among the sources."""
+        ck = self.base.ckpt
+        in_unit = {n for ts in self.unit_tensors.values() for n in ts}
+        low = 0
+        for shard in ck.shards:
+            h = ck.headers[shard]
+            entries = []
+            for t in h.tensors:
+                shape, nbytes = t.shape, t.nbytes
+                if t.name in in_unit:
+                    for d in self.donors.values():
+                        dt = d.ckpt.tensor(t.name)
+                        if len(json.dumps(list(dt.shape))) < len(json.dumps(list(shape))):
+                            shape = dt.shape
+                        nbytes = min(nbytes, dt.nbytes)
+                entries.append((t.name, t.dtype, shape, nbytes))
+            low += min(0, len(encode_header(entries, h.metadata)) - h.data_start)
+        return low
+
+    def _shard_size(self, shard: str, donor_of: dict[str, str]) -> int:
+        """File size of a rewritten shard: the length of the header :func:`encode_header` writes
+        (compact JSON, padded to 8), counted without building it — each entry's length is fixed
+        text plus the digits of its shape and offsets — plus the tensor bytes."""
+        h = self.base.ckpt.headers[shard]
+        fixed = self._fixed.get(shard)
+        if fixed is None:
+            meta = len(json.dumps({"__metadata__": h.metadata}, separators=(",", ":"), ensure_ascii=False).encode()) - 1 if h.metadata is not None else 1
+            fixed = self._fixed[shard] = (meta, [
+                len(json.dumps(t.name, ensure_ascii=False).encode()) + len(json.dumps(t.dtype)) + len('{"dtype":,"shape":,"data_offsets":[,]}:')
+                for t in h.tensors
+            ])
+        commas = max(len(h.tensors) - 1, 0) + (1 if h.metadata is not None and h.tensors else 0)
+        n = fixed[0] + commas + 1
+        pos = 0
+        for t, f in zip(h.tensors, fixed[1]):
+            if t.name in donor_of:
+                dt = self.donors[donor_of[t.name]].ckpt.tensor(t.name)
+                shape, nbytes = dt.shape, dt.nbytes
+            else:
+                shape, nbytes = t.shape, t.nbytes
+            n += f + len(json.dumps(list(shape), separators=(",", ":"))) + len(str(pos)) + len(str(pos + nbytes))
+            pos += nbytes
+        return 8 + n + (-n % 8) + pos
+
+    def size(self, choice: dict[int, str]) -> int:
+        """Exact output size when unit ``i`` comes from donor ``choice[i]``."""
+        ck = self.base.ckpt
+        per_shard: dict[str, list[tuple[int, str]]] = {}
+        for ui, did in choice.items():
+            for n in self.unit_tensors[ui]:
+                per_shard.setdefault(self.shard_of[n], []).append((ui, did))
+        total = 0
+        for shard in ck.shards:
+            h = ck.headers[shard]
+            picks = per_shard.get(shard)
+            if not picks:
+                total += h.file_size
+                continue
+            key = (shard, tuple(sorted(set(picks))))
+            if key not in self._cache:
+                donor_of = {n: did for ui, did in key[1] for n in self.unit_tensors[ui]}
+                self._cache[key] = self._shard_size(shard, donor_of)
+            total += self._cache[key]
+        return total
+
+
+def bit_weight_deltas(base: Analysis, donors: dict[str, Analysis], units: list[Unit]) -> dict[tuple[int, str], int]:
+    """Δ Σ bits × weights over decoder linears per (unit, donor): the rate's additive numerator."""
+    n_layers = base.num_hidden_layers
+    out = {}
+    for u in units:
+        for did, d in donors.items():
+            delta = Fraction(0)
+            for k in u.modules:
+                bm = base.modules[k]
+                if is_decoder_linear(bm, n_layers) and bm.bits is not None:
+                    dm = d.modules[k]
+                    delta += (Fraction(dm.bits or 0) - Fraction(bm.bits)) * bm.weights
+            assert delta.denominator == 1
+            out[(u.index, did)] = int(delta)
+    return out
+
+

@@ -1,0 +1,217 @@
+"""The package's layering, read from the source: every import (top-level or inside a function), no cycles.
+
+The wings and what each may import are the table in docs/ARCHITECTURE.md; this test is that table.
+A wing is a subpackage of ``mosaic`` (``mosaic/build/``) or a top-level module (``mosaic/recipe.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mosaic"
+
+#: The floor every wing stands on: errors, fault points, hashing, progress reporting, the version.
+BASE = {"mosaic", "errors", "faults", "hashing", "progress"}
+
+#: What each wing may import besides itself and BASE. Everything not listed is forbidden.
+ALLOWED: dict[str, set[str]] = {
+    "mosaic": set(),
+    "errors": set(),
+    "faults": set(),
+    "progress": set(),
+    "hashing": {"faults"},
+    "records": set(),
+    "formats": set(),
+    "checkpoint": {"formats"},
+    "recipe": set(),
+    "hub": {"recipe", "records"},
+    "sources": {"recipe", "hub"},
+    "card": {"checkpoint", "recipe"},
+    "build": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records"},
+    "gguf": {"formats", "checkpoint"},
+    "audit": {"formats", "checkpoint", "recipe", "sources", "card", "records", "gguf"},
+    "plan": {"formats", "checkpoint", "recipe", "sources", "build"},
+    "publish": {"audit", "hub", "records"},
+    "cli": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records", "build", "gguf", "audit",
+            "plan", "publish"},
+    "testing": {"formats", "checkpoint"},
+    "demo": {"cli", "testing"},
+}
+
+#: Module-level rules finer than the wings: the audit re-converts the tokenizer with the vocabulary
+#: converter but never borrows the exporter, and the base floor stays below the formats.
+FORBIDDEN_MODULES = {
+    "audit": {"mosaic.gguf.export"},
+}
+_BASE_ALLOWED = {"mosaic": set(), "errors": set(), "faults": set(), "progress": set(), "hashing": {"faults"}}
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(path: Path, modules: Iterable[str], root: Path = PACKAGE) -> set[str]:
+    """Every mosaic module a file imports, wherever the import statement stands in the file."""
+    known = set(modules)
+    me = module_name(path, root)
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            src = _resolve(me, path.name == "__init__.py", node)
+            targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in known else src for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t == "mosaic" or t.startswith("mosaic."):
+                # importing mosaic.a.b runs mosaic.a's __init__ too, unless the importer is inside mosaic.a
+                parts = t.split(".")
+                for i in range(2, len(parts) + 1):
+                    name = ".".join(parts[:i])
+                    if name in known and (i == len(parts) or not me.startswith(name + ".")):
+                        out.add(name)
+                if t == "mosaic":
+                    out.add("mosaic")
+    out.discard(me)
+    return out
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    files = sorted(root.rglob("*.py"))
+    names = [module_name(f, root) for f in files]
+    return {module_name(f, root): imports_of(f, names, root) for f in files}
+
+
+def wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "mosaic"
+
+
+def find_cycle(graph: Mapping[str, Iterable[str]]) -> list[str] | None:
+    """One cycle of the directed graph as a path that returns to its start, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return [*stack[stack.index(m):], m]
+            if m not in state and (c := visit(m)):
+                return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (c := visit(n)):
+            return c
+    return None
+
+
+def wing_graph(graph: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        out.setdefault(wing(m), set()).update(wing(d) for d in deps if wing(d) != wing(m))
+    return out
+
+
+def forbidden_edges(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    bad = []
+    for m, deps in sorted(graph.items()):
+        w = wing(m)
+        if w not in ALLOWED:
+            bad.append(f"{m}: wing {w!r} is not in the layering table")
+            continue
+        allowed = _BASE_ALLOWED[w] if w in _BASE_ALLOWED else ALLOWED[w] | BASE
+        for d in sorted(deps):
+            dw = wing(d)
+            if dw != w and dw not in allowed:
+                bad.append(f"{m} imports {d} ({w} -> {dw})")
+            if d in FORBIDDEN_MODULES.get(w, ()):
+                bad.append(f"{m} imports {d} (forbidden to {w})")
+    return bad
+
+
+# --- the package as it is ----------------------------------------------------------------------------
+
+
+def test_no_module_cycle() -> None:
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()) or [])
+
+
+def test_no_wing_cycle() -> None:
+    cycle = find_cycle(wing_graph(import_graph()))
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_every_edge_is_allowed_by_the_table() -> None:
+    assert forbidden_edges(import_graph()) == []
+
+
+def test_every_wing_is_in_the_table_and_the_table_has_no_stale_wing() -> None:
+    wings = {wing(m) for m in import_graph()}
+    assert wings == set(ALLOWED)
+
+
+def test_the_graph_sees_imports_inside_functions() -> None:
+    """publish's audit import and the CLI's lazy imports are inside functions or at the top: both count."""
+    g = import_graph()
+    assert "mosaic.audit.run" in g["mosaic.publish"]
+    assert "mosaic.build.run" in g["mosaic.cli.commands"]  # imported inside the build command
+    assert "mosaic.hub.snapshot" in g["mosaic.sources"]  # imported inside hub_snapshot()
+
+
+# --- the checker itself can fail -----------------------------------------------------------------------
+
+
+def test_checker_finds_a_cycle_through_a_function_level_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "mosaic"
+    (pkg / "audit").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "audit" / "__init__.py").write_text("")
+    (pkg / "audit" / "run.py").write_text("from mosaic.sources import resolve\n")
+    (pkg / "sources.py").write_text("def resolve():\n    from mosaic.publish import go\n")
+    (pkg / "publish.py").write_text("def go():\n    from .audit import run\n")
+    g = import_graph(pkg)
+    assert g["mosaic.publish"] == {"mosaic.audit", "mosaic.audit.run"}
+    cycle = find_cycle(g)
+    assert cycle is not None and cycle[0] == cycle[-1]
+    assert set(cycle) == {"mosaic.audit.run", "mosaic.sources", "mosaic.publish"}
+    assert find_cycle(wing_graph(g)) is not None
+
+
+@pytest.mark.parametrize(
+    ("module", "dep", "ok"),
+    [
+        ("mosaic.formats.gguf_container", "mosaic.checkpoint.folder", False),  # formats import nothing above
+        ("mosaic.audit.mosaic_folder", "mosaic.build.layout", False),  # the audit never trusts the layout
+        ("mosaic.audit.gguf_folder", "mosaic.gguf.export", False),
+        ("mosaic.audit.gguf_folder", "mosaic.gguf.vocab", True),
+        ("mosaic.build.run", "mosaic.plan.planner", False),
+        ("mosaic.hub.fetch", "mosaic.audit.run", False),
+        ("mosaic.errors", "mosaic.formats.safetensors_reader", False),
+        ("mosaic.plan.planner", "mosaic.build.layout", True),
+    ],
+)
+def test_checker_judges_edges(module: str, dep: str, ok: bool) -> None:
+    assert (forbidden_edges({module: {dep}}) == []) is ok
