@@ -1,6 +1,6 @@
 """mosaic's benchmark suite: mosaic against the plain baselines on the same data, in one run, as ratios.
 
-    python bench/run.py [--cases census,bytes,metadata,memory] [--runs 3] [--size-gb 2] [--no-write]
+    python bench/run.py [--cases census,bytes,metadata,memory,stream] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--no-write]
 
 Synthetic data is generated once and cached outside the repository (``$MOSAIC_BENCH_DIR``, default
 ``~/.cache/mosaic-bench``). Each case runs every contender ``--runs`` times, interleaved, and reports
@@ -237,6 +237,56 @@ def case_memory(small_gb: float, large_gb: float) -> None:
     drop(out)
 
 
+def case_stream(runs: int, size_gb: float) -> None:
+    """A streamed build (ranges of the donor's selected tensors, the base's bytes) against downloading
+    both sources whole and building from the cache, through a local hub look-alike that counts bytes."""
+    from tests.fakehub import FakeHub
+
+    base = dataset(f"bytes-{size_gb}g-base", bytes_geometry(size_gb, 2, 1))
+    donor = dataset(f"bytes-{size_gb}g-donor", bytes_geometry(size_gb, 3, 2))
+    home = DATA / "stream-hf"
+    out = DATA / "stream-out"
+    with FakeHub() as hub:
+        hub.redirect_lfs = True
+        shas = {}
+        for repo, folder in (("bench/base", base), ("bench/donor", donor)):
+            shas[repo] = hub.commit(repo, {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()})
+        recipe = DATA / f"stream-{size_gb}g.yaml"
+        recipe.write_text(
+            f"name: stream\nbase:\n  repo: bench/base\n  revision: {shas['bench/base']}\n"
+            f"donors:\n  q3:\n    repo: bench/donor\n    revision: {shas['bench/donor']}\n"
+            "replace:\n  - from: q3\n    layers: [2, 5, 9]\n    modules: [mlp.experts]\n"
+        )
+        env = {**COLD, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+               "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "hf_bench", "NO_PROXY": "127.0.0.1,localhost"}
+        moved: dict[str, int] = {}
+
+        def fresh() -> None:
+            drop(home)
+            drop(out)
+            hub.served.clear()
+
+        def download_then_build() -> None:
+            sh([*MOSAIC, "fetch", str(recipe)], env=env)
+            sh([*MOSAIC, "build", str(recipe), "--out", str(out)], env=env)
+            moved["download then build"] = sum(hub.served.values())
+
+        def streamed() -> None:
+            sh([*MOSAIC, "build", str(recipe), "--stream", "--out", str(out)], env=env)
+            moved["mosaic build --stream"] = sum(hub.served.values())
+
+        race(f"stream: {size_gb} GB pair via a local hub", {
+            "download then build": (download_then_build, fresh),
+            "mosaic build --stream": (streamed, fresh),
+        }, runs, "download then build")
+        whole = moved["download then build"]
+        for name, n in moved.items():
+            row(f"stream: {size_gb} GB pair via a local hub", f"{name}: bytes from the hub", f"{n / 1e9:.3f} GB",
+                f"{n / whole:.2f} × download")
+        drop(home)
+        drop(out)
+
+
 def machine() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     disk = shutil.disk_usage(DATA)
@@ -245,7 +295,8 @@ def machine() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="census,bytes,metadata,memory")
+    ap.add_argument("--cases", default="census,bytes,metadata,memory,stream")
+    ap.add_argument("--stream-gb", type=float, default=0.5, help="model size of the stream case (held in memory by the local hub)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--memory-gb", default="1,8", help="two base sizes for the memory case")
@@ -263,6 +314,8 @@ def main() -> int:
     if "memory" in cases:
         small, large = (float(x) for x in args.memory_gb.split(","))
         case_memory(small, large)
+    if "stream" in cases:
+        case_stream(args.runs, args.stream_gb)
     lines = [f"machine: {machine()}", f"runs per contender: {args.runs} (medians)", "", "| case | contender | median | ratio |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in ROWS]
     text = "\n".join(lines) + "\n"

@@ -119,7 +119,25 @@ def render_block(doc: dict) -> str:
     for sid, s in srcs.items():
         total = sum(f["size"] for f in s["files"])
         lines.append(f"- `{sid}`: {_source_label(s)}; {len(s['files'])} files used, {total:,} bytes (digests in PROVENANCE.json)")
+        partial = [f["name"] for f in s["files"] if f.get("sha256_verified") is False]
+        if partial:
+            lines.append(
+                f"  - read from the hub by byte ranges: {len(partial)} file(s) only in part, so their whole-file SHA-256 "
+                "is the hub's claim, not checked by the build; every tensor taken from them has its own SHA-256 of the "
+                "bytes read (`mosaic audit . --sources` compares them again)"
+            )
     lines += [
+        "",
+        "## Rebuild it instead of downloading it",
+        "",
+        "Every tensor of this mosaic is a byte range of one of its sources, and PROVENANCE.json names each one's "
+        "source and SHA-256. mosaic rebuilds this folder byte for byte from the sources — folders you already have, "
+        "the local Hugging Face cache, or only the needed byte ranges read from the hub — checking every tensor "
+        "against PROVENANCE.json and every file against the manifest:",
+        "",
+        "```bash",
+        "mosaic rebuild <this repo>@<commit>              # add --source ID=PATH for each source you have locally",
+        "```",
         "",
         "## Verify",
         "",

@@ -37,8 +37,9 @@ ALLOWED: dict[str, set[str]] = {
     "audit": {"formats", "checkpoint", "recipe", "sources", "card", "records", "gguf"},
     "plan": {"formats", "checkpoint", "recipe", "sources", "build"},
     "publish": {"audit", "hub", "records"},
+    "rebuild": {"build", "hub", "recipe", "records"},
     "cli": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records", "build", "gguf", "audit",
-            "plan", "publish"},
+            "plan", "publish", "rebuild"},
     "testing": {"formats", "checkpoint"},
     "demo": {"cli", "testing", "recipe"},
 }

@@ -150,9 +150,13 @@ def analyze(ckpt: Checkpoint) -> Analysis:
     """Interpret a checkpoint's tensors as EXL3 modules and collect every problem."""
     modules = group_modules(t for s in ckpt.shards for t in ckpt.headers[s].tensors)
     markers = [n for n in marker_names(modules) if ckpt.tensor(n).nbytes == 4]
-    raw = read_small_tensors(ckpt, markers)
+    # a checkpoint opened from its headers has no marker bytes: codebooks come from the marker names,
+    # and the values are checked where the bytes are read (a streamed build reads every one it uses)
+    raw = {} if ckpt.headers_only else read_small_tensors(ckpt, markers)
     assign_codebooks(modules, {n: int.from_bytes(b, "little") for n, b in raw.items()})
     a = Analysis(ckpt, modules, list(ckpt.problems))
+    if ckpt.headers_only and markers:
+        a.notes.append(f"opened from its headers: {len(markers):,} codebook marker values not read (codebooks from their names)")
     for m in modules.values():
         a.problems.extend(module_problems(m))
     a.problems.extend(expert_group_problems(modules.values()))

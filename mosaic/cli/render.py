@@ -19,6 +19,7 @@ from mosaic.literal import markup_literal as lit
 if TYPE_CHECKING:
     from mosaic.hub.fetch import FetchedSnapshot
     from mosaic.publish import PublishResult
+    from mosaic.rebuild import RebuildResult
 
 #: Lines are never wrapped when not on a terminal; tables are laid out as if the page were this wide.
 PLAIN_WIDTH = 1 << 14
@@ -97,6 +98,8 @@ def render_census(console: Console, rep: dict) -> None:
     console.print(t)
     for n in rep["notes"]:
         console.print(f"[yellow]note:[/yellow] {lit(n)}")
+    if "hub_bytes_read" in rep:
+        console.print(f"read {rep['hub_bytes_read']:,} bytes from the hub by ranges (configs and shard headers only)")
     if rep["problems"]:
         console.print(f"[red bold]{len(rep['problems'])} problem(s):[/red bold]")
         for p in rep["problems"]:
@@ -123,6 +126,8 @@ def render_build(console: Console, s: dict) -> None:
     for c in s["checks"]:
         t.add_row(lit(c["name"]), "[green]✓[/green]" if c["ok"] else "[red]✗[/red]", lit(c["detail"]))
     console.print(t)
+    for sid, n in s.get("hub_bytes_read", {}).items():
+        console.print(f"{lit(sid)}: read {n:,} bytes from the hub by ranges")
     for n in s.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {lit(n)}")
 
@@ -231,3 +236,13 @@ def render_publish(console: Console, res: PublishResult) -> None:
         console.print(f"  {'deleted':>16}  {lit(n)}")
     if not res.dry_run:
         console.print("hub digests of every uploaded file match sha256-manifest.txt")
+
+
+def render_rebuild(console: Console, res: RebuildResult) -> None:
+    console.print(f"[bold green]rebuilt[/bold green] {lit(res.repo)}@{lit(res.revision)} in {lit(res.out_dir)}: "
+                  f"{res.files} files, {res.tensors:,} tensors, every one equal to the published PROVENANCE.json and manifest")
+    for sid, n in res.hub_bytes.items():
+        what = "the published small files" if sid == "published" else f"source {lit(sid)} by ranges"
+        console.print(f"  read {n:,} bytes from the hub: {what}")
+    for sid, path in res.local_sources.items():
+        console.print(f"  source {lit(sid)} from {lit(path)}")
