@@ -102,6 +102,10 @@ def test_spark_style_mosaic_builds_and_audits(sources, tmp_path: Path) -> None:
     # exact rate: 12 of 42 MoE layers' experts at 3 bits; by layer mass (33 × 2 + 12 × 3) / 45
     assert prov["rate"]["by_layer_mass"] == pytest.approx((33 * 2 + 12 * 3) / 45)
     assert 2 < prov["rate"]["exact"] < 3
+    # what the exact rate leaves out stands on its own lines, in PROVENANCE.json and in the card
+    assert prov["rate"]["outside"] == {"head": 5.0, "mtp": 4.0, "vision": 4.0}
+    card = (out / "README.md").read_text()
+    assert "num_hidden_layers − 1" in card and "- Multi-token-prediction layers: 4.0000 bpw" in card
     rep = audit(out, sources=recipe)
     assert rep.ok, [f.as_dict() for f in rep.failures]
 
