@@ -6,8 +6,14 @@ Nothing is re-quantized: ranma.cpp (a llama.cpp fork) reads EXL3 trellis tiles a
 types, so each EXL3 linear becomes ``<name>.weight`` of type ``256 + 16 * codebook + code`` whose
 bytes are the trellis tiles in another order, plus ``<name>.rot_in`` / ``.rot_out`` = suh / svh
 (F16, bytes unchanged); routed experts are stacked per layer and projection in expert order; every
-other tensor keeps its dtype and bytes. The facts follow the fork's own converter (ranma.cpp
-``conversion/exl3.py``, ``gguf-py/gguf/exl3.py``, ``gguf-py/gguf/constants.py``, ``docs/ranma/exl3.md``).
+other tensor gets the type the fork's converter gives it (:func:`mosaic.gguf.tensors.gguf_dtype`: F32 for
+norms, 1-D tensors, routers and convolutions, which widens BF16/F16 exactly; its source type otherwise).
+The facts follow the fork's own converter (ranma.cpp ``conversion/exl3.py``, ``gguf-py/gguf/exl3.py``,
+``gguf-py/gguf/constants.py``, ``docs/ranma/exl3.md``).
+
+The two exceptions to "no value changes" are that widening to F32 and GLM-5.3's ``ssm_a = -exp(A_log)``
+(float64, rounded once to F32); both are recorded per tensor in manifest.json (``layout``) and re-derived
+independently by ``mosaic audit --sources`` (see :mod:`mosaic.gguf.tensors`).
 
 Tile order. The trellis is int16 ``[K/16, N/16, 16*bits]``: a 16x16 tile is ``32*bits`` contiguous
 bytes. GGUF wants ``[N/128][K/16][8 tiles]`` (``to_ggml`` in the fork's ``gguf-py/gguf/exl3.py``):
@@ -19,6 +25,10 @@ time (a memory map, a strided gather of ``K/16`` segments per group), never a wh
 Names and keys come from gguf-py's tables (``gguf.MODEL_ARCH_NAMES``, ``gguf.get_tensor_name_map``);
 a tensor those tables cannot name is refused, never guessed. MTP layers (index >= num_hidden_layers)
 and vision towers are left out (the fork's converter does not convert them either) and listed.
+GLM-5.3-Flash (``Glm5NextForConditionalGeneration`` -> ``glm5-next``) is the exception: gguf-py does not
+know it, so :mod:`mosaic.gguf.glm5_next` maps it with the fork's own cited name table, writes exactly the
+tensor set the fork's loader creates, and keeps the MTP layer (the fork's release ranma_20261007 loads
+it as ``blk.<num_hidden_layers>``).
 
 The tokenizer metadata (``tokenizer.ggml.*``, ``tokenizer.chat_template``) comes from
 :mod:`mosaic.gguf.vocab`; a checkpoint whose tokenizer it cannot convert exactly is refused, since
@@ -78,11 +88,9 @@ from mosaic.progress import SILENT, Reporter
 MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = "mosaic.gguf-manifest/v1"
 
-#: HF architecture -> gguf-py MODEL_ARCH member. Only architectures that exllamav3 quantizes, that
-#: gguf-py maps, and whose plain layout the fork converts through the upstream model class
-#: (docs/ranma/exl3.md lists llama and qwen3moe as checked). GLM-5.3 (``Glm4MoeForCausalLM`` with
-#: ``model.language_model.layers``, the ``glm5-next`` runtime) is not here: the fork's model class
-#: for it is not among its public converter sources we could read, so its names and keys are unknown.
+#: HF architecture -> gguf-py MODEL_ARCH member. Architectures that exllamav3 quantizes, that gguf-py
+#: maps, and whose plain layout the fork converts through the upstream model class (docs/ranma/exl3.md
+#: lists llama and qwen3moe as checked); and GLM-5.3-Flash, mapped by mosaic.gguf.glm5_next.
 SUPPORTED: dict[str, str] = {
     "LlamaForCausalLM": "LLAMA",
     "Qwen3ForCausalLM": "QWEN3",
