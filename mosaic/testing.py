@@ -103,7 +103,9 @@ def every_group_geometry(**kw: object) -> Geometry:
 
 
 def glm_geometry(**kw: object) -> Geometry:
-    """GLM-5.3-Flash's layout at tiny dimensions: 45 layers + MTP layer 45, 288 experts, 12 shards."""
+    """A simplified GLM-like MoE (``Glm4MoeForCausalLM``, plain q/k/v/o attention) with GLM-5.3-Flash's layer
+    and expert counts: 45 layers + MTP layer 45, 288 experts. Kept for tests of generic behaviour; the real
+    GLM-5.3-Flash layout is :func:`glm53_geometry`."""
     base: dict[str, object] = dict(
         arch="glm",
         layers=45,

@@ -120,3 +120,21 @@ def test_mtp_and_vision_selections_keep_loadability(sources, tmp_path: Path) -> 
     ], at=tmp_path))
     out = build(recipe, out=tmp_path / "o").out_dir
     assert audit(out, sources=recipe).ok
+
+
+def test_plan_on_glm53_predicts_the_built_size(sources, tmp_path: Path) -> None:
+    """mosaic plan over GLM-5.3's MoE layers (the MTP layer is a unit too): the chosen 12 layers' size,
+    predicted before building, is what the build writes."""
+    from mosaic.plan.planner import PlanRequest, plan_mosaic
+
+    base, donor = sources
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"higher_is_better": True, "scores": {str(la): float(la % 7) for la in range(3, 46)}}))
+    out = tmp_path / "recipes" / "plan.yaml"
+    res = plan_mosaic(PlanRequest(base=str(base), donors=[("q3", str(donor))], scores=scores, layers=12, out=out))  # type: ignore[arg-type]
+    chosen = sorted(c["layer"] for c in res.report["chosen"])
+    assert len(chosen) == 12 and all(3 <= la <= 45 for la in chosen)
+    built = build(out, out=tmp_path / "built", jobs=1)
+    size = sum(p.stat().st_size for p in built.out_dir.glob("*.safetensors"))
+    assert size == res.report["predicted_size"]
+    assert audit(built.out_dir).ok
