@@ -57,7 +57,7 @@ def loader_set(cfg: dict) -> dict[str, list[int]]:
                 out[f"{b}.hc_{s}_scale.weight"] = [3]
         if i < n and tc["layer_types"][i] == "linear_attention":
             for q in "qkv":
-                out[f"{b}.ssm_conv1d_{q}.weight"] = [cv, 1, di]
+                out[f"{b}.ssm_conv1d_{q}.weight"] = [cv, 1, di, 1]  # the 4-D form, which the loader tries first
                 lin(f"{b}.attn_{q}", e, di)
             out[f"{b}.ssm_f_a.weight"] = out[f"{b}.ssm_g_a.weight"] = [e, dk]
             out[f"{b}.ssm_f_b.weight"] = out[f"{b}.ssm_g_b.weight"] = [dk, di]
@@ -213,13 +213,19 @@ def test_metadata_keys(out, src) -> None:
     assert g.value(f"{a}.hyper_connection.epsilon") == pytest.approx(1e-6)
     hkv = g.value(f"{a}.attention.head_count_kv")
     assert hkv == [0 if t == "linear_attention" else 1 for t in kinds] + [1]  # 0 = KDA (recurrent), MTP is MLA
-    assert g.value(f"{a}.attention.indexer.types") == [t != "linear_attention" for t in kinds]
+    assert g.value(f"{a}.attention.indexer.types") == [True] * 8  # the config's indexer_types, "full" -> true
+    assert g.value(f"{a}.attention.indexer.kpool_select_tail") is True
+    assert g.value(f"{a}.vocab_size") == 1024
+    assert g.value(f"{a}.attention.layer_norm_epsilon") == pytest.approx(1e-6)
     assert g.value("quantize.exl3.codebook") == "mul1" and g.value("quantize.exl3.version") == "1.6.5"
     # the tokenizer as upstream writes GLM's: pre glm4 (not llama-bpe, although the regex is Llama-3's)
     assert g.value("tokenizer.ggml.pre") == "glm4"
     tokens = g.value("tokenizer.ggml.tokens")
     assert tokens[g.value("tokenizer.ggml.eot_token_id")] == "<|user|>"
     assert tokens[g.value("tokenizer.ggml.eom_token_id")] == "<|observation|>"
+    assert tokens[g.value("tokenizer.ggml.bos_token_id")] == "[gMASK]"
+    assert tokens[g.value("tokenizer.ggml.unknown_token_id")] == "<|endoftext|>"
+    assert tokens[g.value("tokenizer.ggml.eos_token_id")] == "<|endoftext|>"  # from tokenizer_config.json
 
 
 def test_vision_left_out_and_listed_mtp_kept(out, src) -> None:
@@ -320,3 +326,21 @@ def test_spark_style_mosaic_exported_audited_and_a_flipped_byte_caught(tmp_path)
     doc = json.loads(res.stdout)
     fails = {(c["name"], f["tensor"]) for r in doc.get("mosaics", [doc]) for c in r["checks"] for f in c["failures"]}
     assert ("tensors", "blk.10.ffn_up_exps.weight") in fails
+
+
+def test_swiglu_clamp_and_missing_indexer_types_follow_upstream(src) -> None:
+    """``swiglu_limit`` becomes one clamp per block for routed and shared experts; without ``indexer_types``
+    the key is not written (the loader then takes every indexer as full)."""
+    from mosaic.formats.gguf_container import ARRAY, FLOAT32
+    from mosaic.gguf.glm5_next import metadata, read_dims
+
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"]["swiglu_limit"] = 7.0
+    del cfg["text_config"]["indexer_types"]
+    kvs = {kv.key: kv for kv in metadata(cfg, read_dims(cfg, "config.json"))}
+    for k in ("glm5-next.swiglu_clamp_exp", "glm5-next.swiglu_clamp_shexp"):
+        assert (kvs[k].vtype, kvs[k].item, kvs[k].value) == (ARRAY, FLOAT32, [7.0] * 9)
+    assert "glm5-next.attention.indexer.types" not in kvs
+    cfg["text_config"]["linear_attn_config"]["num_heads"] = 3
+    with pytest.raises(Exception, match="one head count"):
+        read_dims(cfg, "config.json")

@@ -10,8 +10,9 @@ copied), the fused ``conv1d`` in thirds, the MLA ``kv_b_proj`` into ``attn_k_b``
 and ``attn_v_b``, ``A_log`` into ``ssm_a = -exp(A_log)``; the MTP layer stays as ``blk.<num_hidden_layers>``
 with its ``nextn.*`` tensors; the vision tower is left out (listed in manifest.json).
 
-The metadata is every key upstream's converter writes for the architecture, not only those the loader
-refuses to load without: ``leading_dense_block_count`` (without it layers 0-2 are taken for MoE),
+The metadata is every key upstream's converter writes for the architecture (``Glm5NextModel`` in the
+upstream-lineage ``conversion/glm.py``, ``set_gguf_parameters``), not only those the loader refuses to load
+without: ``leading_dense_block_count`` (without it layers 0-2 are taken for MoE),
 ``kda.gate_lower_bound``, ``expert_weights_scale``/``_norm``, ``expert_gating_func`` change what it
 computes. ``attention.head_count_kv`` is per layer (0 = KDA, recurrent; 1 = MLA and MTP, upstream's MLA
 convention, with ``key_length``/``value_length`` = the latent sizes and the per-head sizes in ``*_mla``).
@@ -126,8 +127,8 @@ def loader_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
                 L[tn(f"HC_{site}_BASE", i)] = (mix,)
                 L[tn(f"HC_{site}_SCALE", i)] = (3,)
         if d.is_kda(i):
-            for x in "QKV":
-                L[tn(f"SSM_CONV1D_{x}", i)] = (d.conv, 1, di)
+            for x in "QKV":  # the loader tries [Cv, 1, Di, 1] first (what the converter writes), then [Cv, 1, Di]
+                L[tn(f"SSM_CONV1D_{x}", i)] = (d.conv, 1, di, 1)
                 L[tn(f"ATTN_{x}", i)] = (d.embd, di)
             L[tn("SSM_F_A", i)] = L[tn("SSM_G_A", i)] = (d.embd, d.kda_dim)
             L[tn("SSM_F_B", i)] = L[tn("SSM_G_B", i)] = (d.kda_dim, di)
@@ -269,7 +270,9 @@ def plan_tensors(ckpt: Checkpoint, a: Analysis) -> tuple[list[OutTensor], list[d
             mp.split_linear(f"{s}.qkv_proj", [tn(f"ATTN_{x}", i, None) for x in "QKV"])
             di = d.d_inner
             for j, x in enumerate("QKV"):
-                mp.plain(f"{s}.conv1d.weight", tn(f"SSM_CONV1D_{x}", i), {"rows": [j * di, (j + 1) * di]})
+                # upstream reshapes each [Di, 1, Cv] conv to [1, Di, 1, Cv]: ne [Cv, 1, Di, 1]
+                mp.plain(f"{s}.conv1d.weight", tn(f"SSM_CONV1D_{x}", i), {"rows": [j * di, (j + 1) * di]},
+                         ne=(d.conv, 1, di, 1))
             for hf, member in (("f_a_proj", "SSM_F_A"), ("f_b_proj", "SSM_F_B"), ("g_a_proj", "SSM_G_A"),
                                ("g_b_proj", "SSM_G_B"), ("b_proj", "SSM_BETA"), ("o_norm", "SSM_NORM")):
                 mp.plain(f"{s}.{hf}.weight", tn(member, i))
@@ -354,6 +357,7 @@ def metadata(config: dict, d: Dims) -> list[KV]:
     def f32(name: str, v: object) -> None:
         kvs.append(KV(k(name), FLOAT32, float(v)))  # type: ignore[arg-type]
 
+    u32("VOCAB_SIZE", d.vocab)
     if isinstance(tc.get("max_position_embeddings"), int):
         u32("CONTEXT_LENGTH", tc["max_position_embeddings"])
     u32("EMBEDDING_LENGTH", d.embd)
@@ -371,9 +375,9 @@ def metadata(config: dict, d: Dims) -> list[KV]:
     if gating not in rn.GATING_FUNC:
         raise GGUFExportError(f"config.json: text_config.scoring_func {gating!r} is not softmax or sigmoid")
     u32("EXPERT_GATING_FUNC", rn.GATING_FUNC[gating])
-    if tc.get("swiglu_limit") is not None:
-        f32("SWIGLU_CLAMP_EXP", tc["swiglu_limit"])
-        f32("SWIGLU_CLAMP_SHEXP", tc["swiglu_limit"])
+    if tc.get("swiglu_limit") is not None:  # one entry per block, as upstream writes it
+        for name in ("SWIGLU_CLAMP_EXP", "SWIGLU_CLAMP_SHEXP"):
+            kvs.append(KV(k(name), ARRAY, [float(tc["swiglu_limit"])] * (d.n_layer + d.n_mtp), FLOAT32))
     u32("NEXTN_PREDICT_LAYERS", d.n_mtp)
     u32("HEAD_COUNT", d.heads)
     kvs.append(KV(k("HEAD_COUNT_KV"), ARRAY, [0 if d.is_kda(i) else 1 for i in range(d.n_layer + d.n_mtp)], UINT32))
@@ -384,6 +388,7 @@ def metadata(config: dict, d: Dims) -> list[KV]:
     u32("Q_LORA_RANK", d.q_lora)
     u32("KV_LORA_RANK", d.kv_lora)
     f32("LAYERNORM_RMS_EPS", tc.get("rms_norm_eps", 1e-5))
+    f32("LAYERNORM_EPS", 1e-6)  # upstream writes this constant for glm5-next
     u32("ROPE_DIMENSION_COUNT", d.rope)
     if tc.get("rope_theta") is not None:
         f32("ROPE_FREQ_BASE", tc["rope_theta"])
@@ -391,9 +396,12 @@ def metadata(config: dict, d: Dims) -> list[KV]:
     u32("INDEXER_KEY_LENGTH", d.idx_dim)
     u32("INDEXER_TOP_K", d.top_k)
     u32("INDEXER_KPOOL", d.kpool)
-    if isinstance(tc.get("index_kpool_always_select_tail"), bool):
-        kvs.append(KV(k("INDEXER_KPOOL_SELECT_TAIL"), BOOL, tc["index_kpool_always_select_tail"]))
-    kvs.append(KV(k("INDEXER_TYPES"), ARRAY, [not d.is_kda(i) for i in range(d.n_layer)], BOOL))
+    kvs.append(KV(k("INDEXER_KPOOL_SELECT_TAIL"), BOOL, bool(tc.get("index_kpool_always_select_tail", True))))
+    types = tc.get("indexer_types")
+    if types is not None:  # the trunk's entries, "full" -> true (without the key the loader takes all as full)
+        if not isinstance(types, list) or len(types) < d.n_layer or not all(isinstance(t, str) for t in types):
+            raise GGUFExportError(f"config.json: text_config.indexer_types must list at least {d.n_layer} strings")
+        kvs.append(KV(k("INDEXER_TYPES"), ARRAY, [t == "full" for t in types[: d.n_layer]], BOOL))
     u32("HC_COUNT", d.hc)
     u32("HC_SINKHORN_ITERATIONS", tc.get("hc_sinkhorn_iters", 20))
     f32("HC_EPSILON", tc.get("hc_eps", 1e-6))

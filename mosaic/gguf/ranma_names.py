@@ -92,6 +92,8 @@ def tensor_name(member: str, bid: int | None = None, suffix: str | None = "weigh
 
 #: Metadata keys (``{arch}`` = ARCH), from the fork's Keys classes.
 KEYS: dict[str, str] = {
+    "VOCAB_SIZE": "{arch}.vocab_size",
+    "LAYERNORM_EPS": "{arch}.attention.layer_norm_epsilon",
     "CONTEXT_LENGTH": "{arch}.context_length",
     "EMBEDDING_LENGTH": "{arch}.embedding_length",
     "BLOCK_COUNT": "{arch}.block_count",

@@ -80,7 +80,10 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 #: HF architecture prefix -> (name, the PRE_TOKENIZERS regex it must have, ``tokenizer.ggml.<kind>_token_id``
 #: -> token text that upstream's GLM vocabulary sets).
 BY_ARCHITECTURE: dict[str, tuple[str, str, dict[str, str]]] = {
-    "Glm5Next": ("glm4", "llama-bpe", {"eot": "<|user|>", "eom": "<|observation|>"}),
+    # upstream convert_hf_to_gguf.py ``_set_vocab_glm``: bos [gMASK], eot <|user|>, unk <|endoftext|>,
+    # eom <|observation|> (set after SpecialVocab read tokenizer_config.json, so those it names win)
+    "Glm5Next": ("glm4", "llama-bpe", {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>",
+                                       "eom": "<|observation|>"}),
 }
 
 
