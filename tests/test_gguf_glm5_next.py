@@ -344,3 +344,15 @@ def test_swiglu_clamp_and_missing_indexer_types_follow_upstream(src) -> None:
     cfg["text_config"]["linear_attn_config"]["num_heads"] = 3
     with pytest.raises(Exception, match="one head count"):
         read_dims(cfg, "config.json")
+
+
+def test_audit_sources_finds_a_source_tensor_dropped_silently(src, out, tmp_path) -> None:
+    copy = tmp_path / "o"
+    shutil.copytree(out, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    dropped = m["omitted"].pop(0)["tensor"]
+    m["omitted"].append({"tensor": "model.visual.no_such_tensor", "reason": "vision tower"})
+    (copy / "manifest.json").write_text(json.dumps(m))
+    rep = audit_gguf(copy, sources=src)
+    fails = {(f.check, f.tensor) for f in rep.failures}
+    assert ("sources", dropped) in fails and ("sources", "model.visual.no_such_tensor") in fails

@@ -397,6 +397,22 @@ def _tokenizer_sources(rep: AuditReport, doc: dict, src: Path, config: dict | No
             rep.fail("sources", f"{key} differs from a fresh conversion of the source tokenizer", file=name)
 
 
+def _accounted(rep: AuditReport, doc: dict, ckpt) -> None:
+    """Every source tensor is in the export or listed as left out, so none was dropped silently; the only
+    exception is a codebook marker (``.mul1``/``.mcg``) of an exported module, which lives in the type id."""
+    used = {s["tensor"] for t in doc["tensors"] for s in t.get("sources") or [] if isinstance(s, dict)}
+    omitted = {o.get("tensor") for o in doc.get("omitted") or [] if isinstance(o, dict)}
+    for name in sorted(omitted - set(ckpt.tensor_file)):
+        rep.fail("sources", "manifest.json lists it as left out, but the source has no such tensor", tensor=str(name))
+    for name in ckpt.tensor_names():
+        if name in used or name in omitted:
+            continue
+        key, _, suffix = name.rpartition(".")
+        if suffix in ("mul1", "mcg") and f"{key}.trellis" in used:
+            continue
+        rep.fail("sources", "source tensor neither exported nor listed as left out in manifest.json", tensor=name)
+
+
 def _audit_sources(rep: AuditReport, doc: dict, sources: bool | str | Path, digests: dict[str, str], jobs: int,
                    parsed: dict[str, GGUFFile]) -> None:
     if sources is True:
@@ -413,6 +429,7 @@ def _audit_sources(rep: AuditReport, doc: dict, sources: bool | str | Path, dige
         rep.fail("sources", f"cannot open the source checkpoint: {e}")
         return
     _tokenizer_sources(rep, doc, src, ckpt.config, parsed)
+    _accounted(rep, doc, ckpt)
     wanted: dict[str, list[str]] = {}
     for t in doc["tensors"]:
         for s in t["sources"]:
