@@ -104,8 +104,10 @@ def render_block(doc: dict) -> str:
             lines.append(f"| {ranges(layers)} | " + " | ".join(cells) + " |")
     lines += ["", "## Rate, three ways", ""]
     lines.append(
-        f"- **Exact**: Σ bits × weights / Σ weights over the decoder's EXL3 linears, read from the headers: "
-        f"**{_fmt_rate(rate['exact'])} bpw** (= {rate['exact_fraction']})."
+        f"- **Exact**: Σ bits × weights / Σ weights over the EXL3 linears of the decoder layers (0 to "
+        f"num_hidden_layers − 1: attention, indexer, dense MLP, shared and routed experts), read from the headers: "
+        f"**{_fmt_rate(rate['exact'])} bpw** (= {rate['exact_fraction']}). Multi-token-prediction layers, the vision "
+        f"tower and the head are not part of it; their rates stand on their own below."
     )
     lines.append(
         f"- **By bytes**: base rate × mosaic size / base size = {_fmt_rate(rate['base'])} × "
@@ -115,6 +117,12 @@ def render_block(doc: dict) -> str:
         f"- **By layer mass**: each decoder layer at the rate of the source that supplies most of its "
         f"weights, averaged over layers: {_fmt_rate(rate['by_layer_mass'])} bpw."
     )
+    outside = rate.get("outside") or {}
+    titles = {"mtp": "Multi-token-prediction layers", "vision": "Vision tower", "head": "Head (`lm_head`)",
+              "other": "Other EXL3 linears"}
+    if outside:
+        lines += ["", "Not in the exact rate:", ""]
+        lines += [f"- {titles.get(k, k)}: {_fmt_rate(v)} bpw" for k, v in outside.items()]
     lines += ["", "## Sources", ""]
     for sid, s in srcs.items():
         total = sum(f["size"] for f in s["files"])

@@ -119,6 +119,7 @@ def build_provenance(plan: BuildPlan, res: SpliceResult, unverified: dict[str, s
             "by_layer_mass": _rate(rates.by_layer_mass),
             "base": _rate(rates.base),
             "donors": {k: _rate(v) for k, v in rates.donors.items()},
+            **({"outside": {k: _rate(v) for k, v in sorted(rates.outside.items())}} if rates.outside else {}),
         },
         "files": [_file(r) for r in sorted(res.files.values(), key=lambda r: r.name)],
         "tensors": tensors,

@@ -24,8 +24,16 @@ from mosaic.checkpoint.exl3 import (
     group_modules,
     marker_names,
     module_problems,
+    part_rates,
 )
-from mosaic.checkpoint.folder import Checkpoint, read_small_tensors
+from mosaic.checkpoint.folder import Checkpoint, read_small_tensors, text_config
+
+#: What the exact rate counts (census, PROVENANCE ``rate.exact``, the card and the README say the same).
+RATE_DEFINITION = (
+    "Σ bits × weights / Σ weights over the EXL3 linears of the decoder layers 0 .. num_hidden_layers-1 "
+    "(attention, indexer, dense MLP, shared and routed experts); the MTP layers, the vision tower and the head "
+    "are reported on their own lines and are not part of it"
+)
 
 TORCH_DTYPES = {
     "torch.bool": "BOOL",
@@ -210,10 +218,14 @@ def census_report(a: Analysis) -> dict[str, object]:
             g["codebooks"].add(m.codebook)  # type: ignore[union-attr]
             g["modules"] += 1  # type: ignore[operator]
         rate = exact_rate(a.layer_modules(layer), None)
+        kinds = text_config(ck.config or {}).get("layer_types")
+        mtp = n_layers is not None and layer >= n_layers
+        kind = kinds[layer] if isinstance(kinds, list) and layer < len(kinds) and isinstance(kinds[layer], str) else None
         layers.append(
             {
                 "layer": layer,
-                "mtp": n_layers is not None and layer >= n_layers,
+                "mtp": mtp,
+                "kind": kind,
                 "rate": float(rate) if rate is not None else None,
                 "groups": {
                     k: {"bits": sorted(v["bits"]), "modules": v["modules"], "codebooks": sorted(v["codebooks"])}  # type: ignore[arg-type]
@@ -240,6 +252,9 @@ def census_report(a: Analysis) -> dict[str, object]:
             "exact": float(rate) if rate is not None else None,
             "exact_fraction": f"{rate.numerator}/{rate.denominator}" if rate is not None else None,
             "config": qc.get("bits") if isinstance(qc, dict) else None,
+            "definition": RATE_DEFINITION,
+            # the parts the exact rate leaves out, each on its own line
+            **{part: float(r) for part, r in sorted(part_rates(a.modules.values(), n_layers).items()) if part != "decoder"},
         },
         "problems": a.all_problems,
         "notes": a.notes,

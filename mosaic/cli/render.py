@@ -36,8 +36,11 @@ _GROUP_COLUMNS = (
     ("routed_experts", "routed experts"),
     ("shared_experts", "shared experts"),
     ("attention", "attention"),
+    ("indexer", "indexer"),
     ("dense_mlp", "dense MLP"),
+    ("mtp", "MTP proj"),
 )
+_KINDS = {"linear_attention": "KDA", "deepseek_sparse_attention": "MLA"}
 
 
 def human_bytes(n: int) -> str:
@@ -66,6 +69,9 @@ def render_census(console: Console, rep: dict) -> None:
     )
     exact = f"{rate['exact']:.4f}" if rate["exact"] is not None else "-"
     console.print(f"exact trellis rate {exact} bpw (config.json says {lit(rate['config'])}); head bits {_bits(rep['head_bits'])}")
+    for part in ("mtp", "vision", "head", "other"):
+        if rate.get(part) is not None:
+            console.print(f"  not in the exact rate: {part} {rate[part]:.4f} bpw")
     hist = Table(title="bits histogram", show_edge=False)
     hist.add_column("bits", justify="right")
     hist.add_column("modules", justify="right")
@@ -82,7 +88,7 @@ def render_census(console: Console, rep: dict) -> None:
     t.add_column("rate", justify="right")
     for row in rep["layers"]:
         g = row["groups"]
-        label = f"{row['layer']}" + (" (MTP)" if row["mtp"] else "")
+        label = f"{row['layer']}" + (" (MTP)" if row["mtp"] else f" ({_KINDS[row['kind']]})" if row.get("kind") in _KINDS else "")
         cells = []
         for key, _ in columns:
             if key in g:
