@@ -24,7 +24,7 @@ from mosaic.formats.safetensors_reader import (
     ShardHeader,
     TensorInfo,
     read_header,
-    strict_json_loads,
+    strict_json_loadb,
 )
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -60,7 +60,7 @@ def load_json(path: Path, what: str) -> object:
     except OSError as e:
         raise FormatError(f"{path}: cannot read {what}: {e.strerror or e}") from None
     try:
-        return strict_json_loads(raw.decode("utf-8"))
+        return strict_json_loadb(raw)
     except DuplicateKey as e:
         raise FormatError(f"{path}: {what}: duplicate key {e.key!r}") from None
     except UnicodeDecodeError:
