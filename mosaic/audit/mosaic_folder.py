@@ -25,6 +25,7 @@ from mosaic.checkpoint.folder import (
     CONFIG_NAME,
     INDEX_NAME,
     QCONFIG_NAME,
+    bulk,
     check_relative_name,
     load_json,
     open_checkpoint,
@@ -69,6 +70,7 @@ def _expected_source(recipe: Recipe, name: str) -> tuple[str, int | None]:
     return "base", None
 
 
+@bulk()
 def audit_mosaic(
     folder: str | Path,
     *,

@@ -18,7 +18,7 @@ from mosaic.build import metadata
 from mosaic.build.selection import Selection
 from mosaic.checkpoint.census import Analysis
 from mosaic.checkpoint.exl3 import Module, exact_rate, is_decoder_linear, part_rates
-from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
+from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, bulk
 from mosaic.errors import SourceError
 from mosaic.formats.safetensors_writer import OutTensor, ShardLayout, layout_shard
 from mosaic.recipe import Recipe
@@ -143,6 +143,7 @@ def layer_mass_rate(result: dict[str, Module], selection: Selection, rates: dict
     return total / len(weights)
 
 
+@bulk()
 def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection) -> BuildPlan:
     """Lay out every output file of the mosaic. Raises if the derived metadata would disagree."""
     base = sources["base"]

@@ -26,7 +26,7 @@ from mosaic.checkpoint.exl3 import (
     module_problems,
     part_rates,
 )
-from mosaic.checkpoint.folder import Checkpoint, read_small_tensors, text_config
+from mosaic.checkpoint.folder import Checkpoint, bulk, read_small_tensors, text_config
 
 #: What the exact rate counts (census, PROVENANCE ``rate.exact``, the card and the README say the same).
 RATE_DEFINITION = (
@@ -154,6 +154,7 @@ def check_qconfig(ckpt: Checkpoint, modules: dict[str, Module]) -> list[str]:
     return problems
 
 
+@bulk()
 def analyze(ckpt: Checkpoint) -> Analysis:
     """Interpret a checkpoint's tensors as EXL3 modules and collect every problem."""
     modules = group_modules(t for s in ckpt.shards for t in ckpt.headers[s].tensors)
@@ -197,6 +198,7 @@ def _bits_label(bits: set[float | None]) -> str:
     return "/".join(f"{b:g}" for b in vals) if vals else "-"
 
 
+@bulk()
 def census_report(a: Analysis) -> dict[str, object]:
     """The census as a JSON-ready dict (what ``mosaic census --json`` prints)."""
     ck = a.ckpt

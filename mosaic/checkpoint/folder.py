@@ -12,9 +12,12 @@ header) are collected as ``problems``; anything that makes the folder unreadable
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -32,6 +35,23 @@ SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 QCONFIG_NAME = "quantization_config.json"
 _SHARD_RE = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
+
+
+@contextmanager
+def bulk() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a checkpoint's metadata is turned into objects.
+
+    At 150,000 tensors a command allocates millions of small, acyclic objects (header entries,
+    modules, records); each allocation burst triggers collections that walk the whole, growing heap
+    again, which cost about a third of a GLM-5.3 build's CPU time. Nothing here makes reference
+    cycles worth collecting early; the collector resumes (once) on leaving. Nests; also a decorator."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def check_relative_name(name: object, what: str, where: str) -> str:
@@ -230,6 +250,7 @@ def _partial_qconfig(path: Path, keys: set[str]) -> dict:
     return {"tensor_storage": {k: v for k, v in full.items() if k in keys} if isinstance(full, dict) else {}}
 
 
+@bulk()
 def open_checkpoint(
     root: str | os.PathLike[str],
     *,
