@@ -6,14 +6,14 @@ One function per rule; each violation raises :class:`~mosaic.errors.SafetensorsE
 file, the rule and, where there is one, the tensor. It accepts the official writer's space-padded
 headers and exllamav3's minified, unpadded ones, with or without ``__metadata__``.
 
-JSON is parsed twice over only when it must be: orjson parses first (at C speed), and a count that
-cannot be fooled proves that no key was repeated (orjson, like Python's json, silently keeps the last
-of duplicate keys): every ``:`` of the text is either the separator of one object member or inside a
-string, so when the text holds no backslash escape, ``text.count(":")`` equals the members parsed
-plus the colons inside the strings parsed exactly when no member was dropped. Whenever that proof is
-not clean (an escape, a number orjson reads differently, anything orjson refuses, any rule broken),
-the exact slow path (:func:`strict_json_loads` and the checks below) runs and has the last word; it
-alone names a duplicate.
+JSON is parsed at C speed (orjson) and proven equal to the strict parse before it is trusted: orjson,
+like Python's json, silently keeps the last of duplicate keys, and a count that cannot be fooled
+shows that none was dropped. Every ``:`` of a JSON text is either the separator of one object member
+or inside a string; when the text holds no backslash escape, its colons equal those of orjson's own
+re-serialization of what it parsed exactly when no member was lost. Whenever that proof is not clean
+(an escape, an integer too long for 64 bits, anything orjson refuses, any rule broken), the exact
+slow path (:func:`strict_json_loads` and the checks below) runs and has the last word; it alone names
+a duplicate.
 
 This module never reads tensor bytes, never trusts a length before checking it against the file,
 and never executes anything from a file.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -179,54 +180,31 @@ def strict_json_loads(text: str) -> object:
     return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
 
 
-#: Floats at least this large may be integers orjson could not hold (it reads those as floats, where
-#: Python's json keeps an exact int): such documents take the slow path.
-_INT_AS_FLOAT = float(2**63)
+#: An integer literal of 19 digits or more may not fit 64 bits: orjson reads those as floats, where
+#: Python's json keeps an exact int, so a document that has one takes the slow path. (Digits inside
+#: strings follow a quote or another character, not a JSON separator, and do not match.)
+_LONG_INT = re.compile(rb"(?:^|[\[:,\s])-?[0-9]{19}")
 
 
 class _Unproven(Exception):
     """The fast parse could not prove the document equal to the strict parse: take the slow path."""
 
 
-def _tally(obj: object) -> int:
-    """Object members plus colons inside strings, over a parsed JSON value (see the module docstring).
-
-    Raises :class:`_Unproven` on a float that may stand for an integer orjson could not hold."""
-    if type(obj) is dict:
-        n = len(obj) + "".join(obj).count(":")
-        values: object = obj.values()
-    elif type(obj) is list:
-        n = 0
-        values = obj
-    elif type(obj) is str:
-        return obj.count(":")
-    elif type(obj) is float and not -_INT_AS_FLOAT < obj < _INT_AS_FLOAT:
-        raise _Unproven
-    else:
-        return 0
-    for v in values:  # type: ignore[attr-defined]
-        t = type(v)
-        if t is str:
-            n += v.count(":")
-        elif t is dict or t is list or t is float:
-            n += _tally(v)
-    return n
-
-
 def _fast_json(raw: bytes) -> object:
     """The strict parse of ``raw`` at C speed; raises :class:`_Unproven` when it cannot be proven
-    equal to :func:`strict_json_loads` of the same text."""
-    if b"\\" in raw:
+    equal to :func:`strict_json_loads` of the same text.
+
+    The proof needs no walk of the parsed objects: orjson writes every member back with one colon
+    and every string with its colons as they are (it never escapes one), so the colons of its
+    output are exactly the members plus the colons inside the strings parsed."""
+    if b"\\" in raw or _LONG_INT.search(raw):
         raise _Unproven  # an escape can hide a colon, or spell one key two ways
     try:
         obj = orjson.loads(raw)
-    except (orjson.JSONDecodeError, RecursionError):
+        again = orjson.dumps(obj)
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError, RecursionError):
         raise _Unproven from None
-    try:
-        n = _tally(obj)
-    except RecursionError:
-        raise _Unproven from None
-    if n != raw.count(b":"):
+    if again.count(b":") != raw.count(b":"):
         raise _Unproven  # a repeated key dropped a member
     return obj
 
