@@ -279,3 +279,23 @@ def test_plain_documents_take_the_fast_path(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(DuplicateKey):
         reader.strict_json_loadb(b'{"x": 1, "x": 1}')
     assert calls == ['{"x": 1, "x": 1}']
+
+
+@pytest.mark.parametrize(
+    ("text", "slow"),
+    [
+        (b"1234567890123456789", True),
+        (b"-1234567890123456789", True),
+        (b'{"a": [1, 12345678901234567890123]}', True),
+        (b'{"a":\n-9223372036854775809}', True),
+        (b'{"a": "12345678901234567890123"}', False),
+        (b'{"a": "x-12345678901234567890123"}', False),
+        (b'{"a": 1.12345678901234567890123}', False),
+        (b'{"a": 123456789012345678}', False),
+    ],
+)
+def test_long_integers_are_found_outside_strings(text: bytes, slow: bool) -> None:
+    from mosaic.formats.safetensors_reader import _has_long_integer
+
+    assert _has_long_integer(text) is slow
+    assert strict_json_loadb(text) == strict_json_loads(text.decode())

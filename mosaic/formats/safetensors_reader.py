@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -181,9 +180,28 @@ def strict_json_loads(text: str) -> object:
 
 
 #: An integer literal of 19 digits or more may not fit 64 bits: orjson reads those as floats, where
-#: Python's json keeps an exact int, so a document that has one takes the slow path. (Digits inside
-#: strings follow a quote or another character, not a JSON separator, and do not match.)
-_LONG_INT = re.compile(rb"(?:^|[\[:,\s])-?[0-9]{19}")
+#: Python's json keeps an exact int, so a document that has one takes the slow path.
+_LONG = 19
+_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_NUMBER_START = frozenset(b"[:, \t\n\r")
+
+
+def _has_long_integer(raw: bytes) -> bool:
+    """Whether a run of 19+ digits starts a JSON number (digits inside strings, e.g. in hex
+    digests, follow a quote or a letter, not a separator). A scan at C speed: a regex with a
+    look-behind alternative reads 48 MB at a few tens of MB/s."""
+    zeros = raw.translate(_DIGITS_AS_ZERO)
+    run = b"0" * _LONG
+    i = zeros.find(run)
+    while i >= 0:
+        j = i - 1 if i and raw[i - 1] != 0x2D else i - 2  # skip a minus sign
+        if j < 0 or raw[j] in _NUMBER_START:
+            return True
+        k = i + _LONG
+        while k < len(zeros) and zeros[k] == 0x30:
+            k += 1
+        i = zeros.find(run, k)
+    return False
 
 
 class _Unproven(Exception):
@@ -197,7 +215,7 @@ def _fast_json(raw: bytes) -> object:
     The proof needs no walk of the parsed objects: orjson writes every member back with one colon
     and every string with its colons as they are (it never escapes one), so the colons of its
     output are exactly the members plus the colons inside the strings parsed."""
-    if b"\\" in raw or _LONG_INT.search(raw):
+    if b"\\" in raw or _has_long_integer(raw):
         raise _Unproven  # an escape can hide a colon, or spell one key two ways
     try:
         obj = orjson.loads(raw)
