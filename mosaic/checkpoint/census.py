@@ -210,16 +210,20 @@ def census_report(a: Analysis) -> dict[str, object]:
             h["weights"] += m.weights
     n_layers = a.num_hidden_layers
     layers = []
-    for layer in a.layers():
+    by_layer: dict[int, list[Module]] = {}  # one pass, not one per layer (52,000 modules × 46 layers)
+    for m in a.modules.values():
+        if m.info.layer is not None:
+            by_layer.setdefault(m.info.layer, []).append(m)
+    for layer in sorted(by_layer):
         groups: dict[str, dict[str, object]] = {}
-        for m in a.layer_modules(layer):
+        for m in by_layer[layer]:
             if not m.is_exl3:
                 continue
             g = groups.setdefault(m.info.group, {"bits": set(), "modules": 0, "codebooks": set()})
             g["bits"].add(m.bits)  # type: ignore[union-attr]
             g["codebooks"].add(m.codebook)  # type: ignore[union-attr]
             g["modules"] += 1  # type: ignore[operator]
-        rate = exact_rate(a.layer_modules(layer), None)
+        rate = exact_rate(by_layer[layer], None)
         kinds = text_config(ck.config or {}).get("layer_types")
         mtp = n_layers is not None and layer >= n_layers
         kind = kinds[layer] if isinstance(kinds, list) and layer < len(kinds) and isinstance(kinds[layer], str) else None

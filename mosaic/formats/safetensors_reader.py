@@ -27,6 +27,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import orjson
 
@@ -63,9 +64,11 @@ _TENSOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 _METADATA_KEY = "__metadata__"
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """One header entry. ``begin``/``end`` are relative to the start of the byte buffer."""
+class TensorInfo(NamedTuple):
+    """One header entry. ``begin``/``end`` are relative to the start of the byte buffer.
+
+    A named tuple rather than a frozen dataclass: 151,000 of them are made per GLM-5.3 header set,
+    and a tuple is built several times faster."""
 
     name: str
     dtype: str
@@ -368,6 +371,7 @@ def _fast_header(path: str, raw: bytes, file_size: int) -> ShardHeader:
     tensors: list[TensorInfo] = []
     append = tensors.append
     bits_of = DTYPE_BITS
+    new_tuple = tuple.__new__
     pos = 0
     tiled = True
     for name, entry in obj.items():
@@ -393,7 +397,7 @@ def _fast_header(path: str, raw: bytes, file_size: int) -> ShardHeader:
             if begin != pos:
                 tiled = False
             pos = end
-            append(TensorInfo(name, dtype, tuple(shape), begin, end))
+            append(new_tuple(TensorInfo, (name, dtype, tuple(shape), begin, end)))
             continue
         values = entry.values()
         if not all(type(v) is str for v in values):
