@@ -70,6 +70,22 @@ def _expected_source(recipe: Recipe, name: str) -> tuple[str, int | None]:
     return "base", None
 
 
+def _expected_sources(recipe: Recipe, names: list[str]) -> list[str]:
+    """:func:`_expected_source` of many tensors. Without key rules the answer depends only on the
+    module key, so it is worked out once per module (52,000) rather than per tensor (151,000)."""
+    if any(rule.keys is not None for rule in recipe.rules):
+        return [_expected_source(recipe, n)[0] for n in names]
+    by_key: dict[str, str] = {}
+    out = []
+    for n in names:
+        key = n.rpartition(".")[0]
+        src = by_key.get(key)
+        if src is None:
+            src = by_key[key] = _expected_source(recipe, n)[0]
+        out.append(src)
+    return out
+
+
 @bulk()
 def audit_mosaic(
     folder: str | Path,
@@ -298,8 +314,8 @@ def audit_mosaic(
                 s = doc["sources"].get(sid)
                 if s is not None and {k: s.get(k) for k in ("path", "repo", "revision") if k in s} != spec.as_record():
                     rep.fail("recipe", f"source {sid!r} is recorded as {s}, the recipe says {spec.as_record()}", file=PROVENANCE_NAME)
-            for t in doc["tensors"]:
-                want, _ = _expected_source(recipe, t["name"])
+            expected_sources = _expected_sources(recipe, [t["name"] for t in doc["tensors"]])
+            for t, want in zip(doc["tensors"], expected_sources):
                 if t["source"] != want:
                     rep.fail("recipe", f"source is {t['source']!r} but the recipe gives it to {want!r}", file=t["file"], tensor=t["name"])
 

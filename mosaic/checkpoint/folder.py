@@ -221,10 +221,11 @@ def entry_spans(text: bytes) -> dict[str, tuple[int, int]]:
 
 
 def parse_span(text: bytes, span: tuple[int, int]) -> tuple[str, object] | None:
-    """The (key, value) a span holds, or None when it is not exactly one JSON member."""
+    """The (key, value) a span holds, or None when it is not exactly one JSON member (or repeats a
+    key inside: the strict rule holds for entries read alone as for whole files)."""
     try:
-        obj = json.loads(b"{" + text[span[0] : span[1]] + b"}")
-    except ValueError:
+        obj = strict_json_loadb(b"{" + text[span[0] : span[1]] + b"}")
+    except (ValueError, RecursionError):
         return None
     return next(iter(obj.items())) if isinstance(obj, dict) and len(obj) == 1 else None
 
