@@ -27,6 +27,8 @@ class SizeModel:
         self.base_size = ck.shard_bytes
         self._cache: dict[tuple[str, tuple[tuple[int, str], ...]], int] = {}
         self._fixed: dict[str, tuple[int, list[int]]] = {}
+        #: JSON text length of each distinct shape (a few dozen among 150,000 tensors), per separator
+        self._shape_len: dict[tuple[tuple[int, ...], str], int] = {}
         self.delta: dict[tuple[int, str], int] = {}
         for u in units:
             for did, d in donors.items():
@@ -34,6 +36,13 @@ class SizeModel:
                     d.ckpt.tensor(n).nbytes - ck.tensor(n).nbytes for n in self.unit_tensors[u.index]
                 )
         self.header_low = self._header_lower_bound()
+
+    def _json_len(self, shape: tuple[int, ...], sep: str = ",") -> int:
+        """``len(json.dumps(list(shape)))`` with item separator ``sep``, worked out once per shape."""
+        n = self._shape_len.get((shape, sep))
+        if n is None:
+            n = self._shape_len[(shape, sep)] = len(json.dumps(list(shape), separators=(sep, ":")))
+        return n
 
     def _donor_tensor(self, did: str, name: str) -> tuple[str, tuple[int, ...], int]:
         t = self.donors[did].ckpt.tensor(name)
@@ -53,7 +62,7 @@ class SizeModel:
                 if t.name in in_unit:
                     for d in self.donors.values():
                         dt = d.ckpt.tensor(t.name)
-                        if len(json.dumps(list(dt.shape))) < len(json.dumps(list(shape))):
+                        if self._json_len(dt.shape, ", ") < self._json_len(shape, ", "):
                             shape = dt.shape
                         nbytes = min(nbytes, dt.nbytes)
                 entries.append((t.name, t.dtype, shape, nbytes))
@@ -75,14 +84,16 @@ class SizeModel:
         commas = max(len(h.tensors) - 1, 0) + (1 if h.metadata is not None and h.tensors else 0)
         n = fixed[0] + commas + 1
         pos = 0
+        json_len = self._json_len
         for t, f in zip(h.tensors, fixed[1]):
             if t.name in donor_of:
                 dt = self.donors[donor_of[t.name]].ckpt.tensor(t.name)
                 shape, nbytes = dt.shape, dt.nbytes
             else:
                 shape, nbytes = t.shape, t.nbytes
-            n += f + len(json.dumps(list(shape), separators=(",", ":"))) + len(str(pos)) + len(str(pos + nbytes))
-            pos += nbytes
+            end = pos + nbytes
+            n += f + json_len(shape) + len(str(pos)) + len(str(end))
+            pos = end
         return 8 + n + (-n % 8) + pos
 
     def size(self, choice: dict[int, str]) -> int:
