@@ -13,6 +13,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import NamedTuple
 
 from mosaic.build import metadata
 from mosaic.build.selection import Selection
@@ -28,8 +29,9 @@ from mosaic.records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAM
 OWN_FILES = frozenset({RECIPE_NAME, PROVENANCE_NAME, MANIFEST_NAME, CARD_NAME, INDEX_NAME, CONFIG_NAME, QCONFIG_NAME})
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedTensor:
+class PlannedTensor(NamedTuple):
+    """One output tensor and where its bytes come from (a named tuple: 151,000 per GLM-5.3 plan)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
