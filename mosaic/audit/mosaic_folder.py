@@ -174,6 +174,7 @@ def audit_mosaic(
 
     # --- index ↔ headers -----------------------------------------------------------------------
     rep.ran.append("index")
+    idx: object = None
     if INDEX_NAME in fileset:
         try:
             idx = load_json(root / INDEX_NAME, "index")
@@ -256,7 +257,7 @@ def audit_mosaic(
     analysis = None
     if not any(f.check == "safetensors" for f in rep.failures):
         try:
-            analysis = analyze(open_checkpoint(root, headers=headers))
+            analysis = analyze(open_checkpoint(root, headers=headers, index=idx))
         except (MosaicError, OSError) as e:
             rep.fail("configs", str(e))
     if analysis is not None:
