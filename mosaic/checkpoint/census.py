@@ -113,8 +113,7 @@ def check_qconfig(ckpt: Checkpoint, modules: dict[str, Module]) -> list[str]:
         return [f"{where}: no tensor_storage object"]
     problems: list[str] = []
     described: set[str] = set()
-    # one name -> header entry map, so each of 150,000 look-ups is a dict access, not two and a method
-    info = {t.name: t for s in ckpt.shards for t in ckpt.headers[s].tensors}
+    info = ckpt.by_name  # each of 150,000 look-ups one dict access
     torch_of = ST_TO_TORCH
     for key, entry in storage.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("stored_tensors"), dict):

@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path, PurePosixPath
 
 from mosaic.errors import CheckpointError, FormatError
@@ -123,8 +124,14 @@ class Checkpoint:
         shard_set = set(self.shards)
         return [f for f in self.files if f not in shard_set and f != INDEX_NAME]
 
+    @cached_property
+    def by_name(self) -> dict[str, TensorInfo]:
+        """Every tensor's header entry by name, made once: the plan's size model and the checks look
+        tensors up hundreds of thousands of times (the headers are never changed after opening)."""
+        return {t.name: t for s in self.shards for t in self.headers[s].tensors}
+
     def tensor(self, name: str) -> TensorInfo:
-        return self.headers[self.tensor_file[name]][name]
+        return self.by_name[name]
 
     def tensor_names(self) -> list[str]:
         """All tensor names, shard by shard in file order, tensors in data order."""
