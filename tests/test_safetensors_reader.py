@@ -299,3 +299,18 @@ def test_long_integers_are_found_outside_strings(text: bytes, slow: bool) -> Non
 
     assert _has_long_integer(text) is slow
     assert strict_json_loadb(text) == strict_json_loads(text.decode())
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"\xef\xbb\xbf{}", b"{} x", b'{"a":1}\x00', b'\t{"a" : 1 }\n', b'{"a":"\x01"}', b'{"a":"\x7f"}',
+     b"[1e5, -0.0, 1E-400]", b'{"a": 1.7976931348623157e309}', b'"\xed\xa0\x80"', b'{"":1, "":2}', b"null", b'{"a":tru}'],
+)
+def test_fast_json_edges_match_the_strict_parse(raw: bytes) -> None:
+    """Byte-level edges where orjson and Python's json could part: BOM, trailing bytes, control
+    characters, overflowing floats, surrogates, empty keys."""
+    try:
+        want = _outcome(strict_json_loads, raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        want = ("error", "UnicodeDecodeError")
+    assert _outcome(strict_json_loadb, raw) == want
