@@ -158,3 +158,40 @@ def write_llama_gguf(
     if split_max_size:
         return sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
     return [path]
+
+
+def assemble_with_ggufpy(base: list[Path], donors: dict[str, list[Path]], take: dict[str, str], out: str | Path) -> Path:
+    """The same model a mosaic is, assembled independently with gguf-py alone: the base's metadata
+    (split keys dropped), the base's tensor order, each tensor in ``take`` (name -> donor id) read
+    from that donor. The reference a GGUF mosaic is checked against, and the benchmark's
+    'gguf-py copy script' baseline; it holds one tensor at a time only as gguf-py's memory maps do."""
+    import gguf
+    from gguf import GGUFReader, GGUFValueType
+
+    def tensors_of(files: list[Path]) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for f in files:
+            for t in GGUFReader(f).tensors:
+                out[t.name] = t
+        return out
+
+    first = GGUFReader(base[0])
+    arch = first.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(out, arch)
+    for name, field in first.fields.items():
+        if name.startswith(("GGUF.", "split.")) or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    sources = {"base": tensors_of(base), **{d: tensors_of(fs) for d, fs in donors.items()}}
+    order = [t.name for f in base for t in GGUFReader(f).tensors]
+    for name in order:
+        t = sources[take.get(name, "base")][name]
+        w.add_tensor(name, t.data, raw_shape=[int(x) for x in reversed(t.shape)] if t.tensor_type in (
+            gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else None, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)

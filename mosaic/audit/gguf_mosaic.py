@@ -26,7 +26,14 @@ from mosaic.gguf_sources import open_gguf_source
 from mosaic.hashing import digest_file, parallel_map
 from mosaic.progress import SILENT, Reporter
 from mosaic.recipe import Recipe, load_recipe, parse_recipe
-from mosaic.records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME, parse_manifest, validation_errors
+from mosaic.records import (
+    CARD_NAME,
+    MANIFEST_NAME,
+    PROVENANCE_NAME,
+    RECIPE_NAME,
+    parse_manifest,
+    validation_errors,
+)
 
 MAX_PROVENANCE_BYTES = 1 << 30
 

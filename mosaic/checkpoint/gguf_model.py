@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path, PurePosixPath
@@ -117,17 +116,17 @@ def _kv_int(h: GGUFFile, key: str) -> int | None:
 
 def _model_files(root: Path, names: list[str], where: str) -> list[list[str]]:
     """Group file names (relative POSIX) into models: split sets (all parts named) and single files."""
-    sets: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
+    sets: set[tuple[str, int]] = set()
     singles: list[list[str]] = []
     for n in sorted(names):
         m = SPLIT_RE.match(PurePosixPath(n).name)
         if m:
             stem = str(PurePosixPath(n).parent / m.group("stem"))
-            sets[(stem, int(m.group("count")))][int(m.group("no"))] = n
+            sets.add((stem, int(m.group("count"))))
         else:
             singles.append([n])
     models = list(singles)
-    for (stem, count), parts in sorted(sets.items()):
+    for stem, count in sorted(sets):
         want = [split_name(PurePosixPath(stem).name, i, count) for i in range(1, count + 1)]
         folder = PurePosixPath(stem).parent
         rel = [str(folder / w) if str(folder) != "." else w for w in want]
