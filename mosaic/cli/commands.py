@@ -67,17 +67,30 @@ def main() -> None:
 def census(directory: Path, as_json: bool) -> None:
     """Inspect one checkpoint: tensors, shards, codebook, bits per layer and module, problems.
 
+    DIRECTORY is an EXL3 folder, or a GGUF model: a .gguf file, a split set's first file, or a
+    folder holding one GGUF model (tensor types, bits per layer from each tensor's type).
+
     Exit 0 with no problems, 1 with problems, 2 when the checkpoint cannot be read.
     """
     from mosaic.checkpoint.census import analyze, census_report
     from mosaic.checkpoint.folder import open_checkpoint
+    from mosaic.checkpoint.gguf_model import is_gguf_location
     from mosaic.cli.render import render_census
 
-    rep = census_report(analyze(open_checkpoint(directory)))
+    if is_gguf_location(directory):  # a .gguf file, a split set's first file, a folder of one GGUF model
+        from mosaic.checkpoint.gguf_census import gguf_census
+        from mosaic.checkpoint.gguf_model import open_gguf_model
+        from mosaic.cli.render import render_gguf_census
+
+        rep = gguf_census(open_gguf_model(directory))
+        render = render_gguf_census
+    else:
+        rep = census_report(analyze(open_checkpoint(directory)))
+        render = render_census
     if as_json:
         _emit_json(rep)
     else:
-        render_census(_console(), rep)
+        render(_console(), rep)
     sys.exit(1 if rep["problems"] else 0)
 
 
