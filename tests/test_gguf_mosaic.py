@@ -371,3 +371,46 @@ def test_interrupted_build_leaves_no_output(tmp_path: Path, models: Path) -> Non
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".o.mosaic-partial-")]  # hidden, tagged
     build(recipe(tmp_path, models, BASIC), out=out)  # the next build removes it
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".o.mosaic-partial-")]
+
+
+# --- plan: exact sizes from each tensor's type ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["--max-size", "--target-rate", "--layers"])
+def test_plan_predicts_the_built_size_to_the_byte(tmp_path: Path, models: Path, budget: str) -> None:
+    scores = tmp_path / "scores.csv"
+    scores.write_text("layer,score\n0,1\n1,4\n2,3\n3,0.5\n")
+    value = {"--max-size": "150000", "--target-rate": "6.2", "--layers": "2"}[budget]
+    out = tmp_path / "plans" / "p.yaml"
+    r = CliRunner().invoke(main, ["plan", "--base", str(models / "base/tiny-Q4_0.gguf"), "--donor", f"q8={models / 'q8'}",
+                                  "--scores", str(scores), "--unit", "layer", budget, value, "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    chosen = [c["layer"] for c in rep["chosen"]]
+    assert chosen and chosen[0] == 1  # the best-scored layer first
+    res = build(out, out=tmp_path / "o")
+    assert res.provenance["size"]["shards"] == rep["predicted_size"]
+    assert sorted({t["name"].split(".")[1] for t in res.provenance["tensors"] if t["source"] == "q8"}) == [str(x) for x in chosen]
+    if budget == "--max-size":
+        assert rep["predicted_size"] <= 150000
+    if budget == "--target-rate":
+        assert res.provenance["rate"]["exact"] <= 6.2
+    if budget == "--layers":
+        assert chosen == [1, 2]
+
+
+def test_plan_layer_experts_on_moe_and_refusals(tmp_path: Path, models: Path) -> None:
+    scores = tmp_path / "s.json"
+    scores.write_text('{"higher_is_better": false, "scores": {"0": 0.3, "1": 0.1, "2": 0.2, "3": 0.9}}')
+    out = tmp_path / "p.yaml"
+    r = CliRunner().invoke(main, ["plan", "--base", str(models / "moe/moe-Q4_0.gguf"), "--donor",
+                                  f"q8={models / 'moe/moe-Q8_0.gguf'}", "--scores", str(scores), "--layers", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "modules: [ffn_exps]" in out.read_text() and "layers: [1, 2]" in out.read_text()
+    assert build(out, out=tmp_path / "o").provenance["size"]["shards"] > 0
+    r = CliRunner().invoke(main, ["plan", "--base", str(models / "base/tiny-Q4_0.gguf"), "--donor", f"q8={models / 'q8'}",
+                                  "--scores", str(scores), "--layers", "2"])
+    assert r.exit_code == 2 and "no layer has routed experts" in r.output and "--unit layer" in r.output
+    r = CliRunner().invoke(main, ["plan", "--base", str(models / "base/tiny-Q4_0.gguf"), "--donor", f"q8={models / 'q8'}",
+                                  "--scores", str(scores), "--unit", "layer", "--max-size", "1000"])
+    assert r.exit_code == 2 and "too small for any unit" in r.output

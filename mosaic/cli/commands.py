@@ -130,7 +130,8 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
 
 
 @main.command()
-@click.option("--base", "base", required=True, metavar="SRC", help="The base: a folder or org/name@<40-hex commit>.")
+@click.option("--base", "base", required=True, metavar="SRC",
+              help="The base: a folder or org/name@<40-hex commit>; for GGUF a .gguf file, a folder of one model, or org/name@<commit>:<file or glob>.")
 @click.option("--donor", "donors", multiple=True, required=True, metavar="ID=SRC", help="A donor (repeatable; order = measurement alternatives).")
 @click.option("--scores", "scores", required=True, type=click.Path(path_type=Path), help="Per-layer scores (JSON or CSV) or exllamav3's measurement JSON.")
 @click.option("--max-size", "max_size", metavar="SIZE", help="Budget: total .safetensors bytes (K/M/G/T = 10^3.., KiB/MiB/GiB/TiB = 1024^..).")
@@ -157,11 +158,19 @@ def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None,
         unit=unit,
         out=out,
     )
-    res = plan_mosaic(req)
-    if as_json:
-        _emit_json(res.report)
+    from mosaic.plan.gguf_planner import is_gguf_src
+
+    if is_gguf_src(base):  # a .gguf file, a folder of one GGUF model, or org/name@<commit>:<file>
+        from mosaic.plan.gguf_planner import plan_gguf_mosaic
+
+        report, _, _, notes = plan_gguf_mosaic(req)
     else:
-        render_plan(_console(), res.report, res.notes, str(out) if out else None)
+        res = plan_mosaic(req)
+        report, notes = res.report, res.notes
+    if as_json:
+        _emit_json(report)
+    else:
+        render_plan(_console(), report, notes, str(out) if out else None)
 
 
 @main.command()
