@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from mosaic.build.run import build
-from mosaic.testing_gguf import Geometry, assemble_with_ggufpy, write_llama_gguf
+from mosaic.testing_gguf import N_VOCAB, Geometry, assemble_with_ggufpy, write_llama_gguf
 
-PROMPT = [1, 300, 72, 101, 108, 108, 111, 290, 288, 44, 295, 33]  # <s>, word pieces and byte tokens
+PROMPT = [1, 260, 75, 104, 111, 111, 114, 266, 263, 47, 270, 36]  # <s>, word pieces and byte tokens (all < N_VOCAB)
 
 
 def _llama_cpp():
@@ -44,7 +44,7 @@ def logits(path: Path) -> np.ndarray:
         out = np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
     finally:
         llm.close()
-    assert out.shape == (len(PROMPT), llm.n_vocab()) if hasattr(llm, "n_vocab") else out.shape[0] == len(PROMPT)
+    assert out.shape == (len(PROMPT), N_VOCAB)
     assert np.isfinite(out).all()
     return out
 
@@ -73,6 +73,12 @@ def test_llama_cpp_runs_the_mosaic_as_the_independently_assembled_model(tmp_path
     take = {t["name"]: t["source"] for t in res.provenance["tensors"] if t["source"] != "base"}
     ref = assemble_with_ggufpy(base, {"q8": donor}, take, tmp_path / "ref.gguf")
 
+    # a control: the same assembly with one donor tensor left at the base's type computes differently
+    one_less = dict(take)
+    one_less.pop("output.weight")
+    control = assemble_with_ggufpy(base, {"q8": donor}, one_less, tmp_path / "control.gguf")
+
     got, want, base_logits = logits(parts[0]), logits(ref), logits(base[0])
     assert np.array_equal(got, want), f"max difference {np.abs(got - want).max()}"
     assert np.abs(got - base_logits).max() > 1e-3  # the donor's tensors are the ones computing
+    assert not np.array_equal(got, logits(control))
