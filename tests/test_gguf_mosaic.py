@@ -414,3 +414,16 @@ def test_plan_layer_experts_on_moe_and_refusals(tmp_path: Path, models: Path) ->
     r = CliRunner().invoke(main, ["plan", "--base", str(models / "base/tiny-Q4_0.gguf"), "--donor", f"q8={models / 'q8'}",
                                   "--scores", str(scores), "--unit", "layer", "--max-size", "1000"])
     assert r.exit_code == 2 and "too small for any unit" in r.output
+
+
+def test_output_beside_the_sources_is_fine_but_never_over_them(tmp_path: Path, models: Path) -> None:
+    src = tmp_path / "models"
+    shutil.copytree(models / "base", src)
+    shutil.copytree(models / "q8", src, dirs_exist_ok=True)
+    body = BASIC.replace("@M/base/tiny-Q4_0.gguf", str(src / "tiny-Q4_0.gguf")).replace("@M/q8", str(src / "tiny-Q8_0.gguf"))
+    r = recipe(tmp_path, models, body)
+    build(r, out=src / "mosaic")  # a new folder beside the quantizations it is made of
+    before = tree_digest(src / "mosaic")
+    with pytest.raises(MosaicError, match="is, contains or lies inside a source"):
+        build(r, out=src, force=True)
+    assert (src / "tiny-Q4_0.gguf").exists() and tree_digest(src / "mosaic") == before

@@ -82,7 +82,9 @@ class GGUFPlan:
 
     @property
     def source_roots(self) -> list[Path]:
-        return [m.root for m in self.models.values()]
+        """The source files: an output may sit beside them (GGUF files share model folders), never
+        be one of them or hold one (``--force`` replaces the output folder)."""
+        return [m.path(f) for m in self.models.values() for f in m.files]
 
     def used_files(self) -> dict[str, list[str]]:
         """Source id -> the source files the mosaic takes tensors from (the base: all of its files)."""
