@@ -42,7 +42,7 @@ def test_select_files_takes_a_quantization_and_its_whole_split_set() -> None:
 
 
 def test_fetch_downloads_only_the_selected_quantizations_then_builds_offline(
-    hub: FakeHub, gguf_repo: str, offline, tmp_path: Path  # noqa: F811
+    hub: FakeHub, gguf_repo: str, offline, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
@@ -61,8 +61,15 @@ def test_fetch_downloads_only_the_selected_quantizations_then_builds_offline(
     assert not any("Q5_0" in p or "README" in p for p in got)
     offline()
     n = len(hub.log)
+    import mosaic.build.gguf_write as gw
+
+    whole: list[Path] = []
+    real = gw.digest_file
+    monkeypatch.setenv("MOSAIC_NO_DIGEST_CACHE", "1")
+    monkeypatch.setattr(gw, "digest_file", lambda path, *a, **k: (whole.append(Path(path)), real(path, *a, **k))[1])
     res = build(recipe, out=tmp_path / "o")
     assert len(hub.log) == n  # from the cache alone
+    assert whole and all(p.parent.name.startswith(".o.mosaic-partial-") for p in whole)  # fetched files: not hashed again
     src = res.provenance["sources"]
     assert src["base"]["file"] == "*Q4_0.gguf" and src["q8"]["file"] == "Q8_0" and "path" not in src["base"]
     assert [f["name"] for f in src["base"]["files"]] == ["tiny-Q4_0.gguf"]

@@ -427,3 +427,20 @@ def test_output_beside_the_sources_is_fine_but_never_over_them(tmp_path: Path, m
     with pytest.raises(MosaicError, match="is, contains or lies inside a source"):
         build(r, out=src, force=True)
     assert (src / "tiny-Q4_0.gguf").exists() and tree_digest(src / "mosaic") == before
+
+
+def test_census_of_gguf_models_and_mosaics(tmp_path: Path, models: Path) -> None:
+    r = CliRunner().invoke(main, ["census", str(models / "q8split" / "tiny-Q8_0-00001-of-00004.gguf"), "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    assert rep["format"] == "gguf" and len(rep["files"]) == 4 and rep["tensors"] == 39
+    assert rep["types"]["Q8_0"]["bits"] == 8.5 and rep["layers"][0]["groups"]["attn"]["types"] == ["F32", "Q8_0"]
+    build(recipe(tmp_path, models, BASIC), out=tmp_path / "o")
+    r = CliRunner().invoke(main, ["census", str(tmp_path / "o"), "--json"])
+    rep = json.loads(r.output)
+    rates = [row["rate"] for row in rep["layers"]]
+    assert rates[1] == rates[2] > rates[0] == rates[3]  # layers 1-2 from the Q8_0 donor
+    r = CliRunner().invoke(main, ["census", str(tmp_path / "o")])
+    assert r.exit_code == 0 and "bits per layer and module group" in r.output
+    r = CliRunner().invoke(main, ["census", str(models / "moe")])
+    assert r.exit_code == 2 and r.output.startswith("mosaic: error:") and "holds 2 models" in r.output

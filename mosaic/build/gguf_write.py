@@ -1,7 +1,9 @@
 """Writing a planned GGUF mosaic: source digests, streamed copies, read-back, PROVENANCE, card, manifest.
 
 1. Every source file the mosaic uses is read once for its SHA-256 and the SHA-256 of each tensor taken
-   from it (the digest cache spares an unchanged file a second hashing).
+   from it. A file whose digest is already known — verified by ``mosaic fetch`` against the hub's, or
+   computed by an earlier build and unchanged since (the digest cache) — is not hashed whole again:
+   only the tensors taken from it are read (and every copy is still read back and compared).
 2. Each output part is written from its planned layout: the header bytes, then every tensor's bytes
    copied from its source range (kernel copies where the filesystem allows), padding left as zeros;
    nothing is held in memory beyond a copy buffer.
@@ -63,6 +65,12 @@ def _digest_sources(plan: GGUFPlan, jobs: int, progress: Reporter) -> tuple[dict
     for t in plan.tensors:
         need[(t.source, t.src.file)].append(t)
     cached = {k: digest_cache.lookup(plan.models[k[0]].path(k[1])) for k in need}
+    for sid, verified in _verified(plan).items():
+        for k in need:
+            if k[0] == sid and k[1] in verified:
+                e = cached[k]
+                have = e.tensors if e is not None and e.sha256 == verified[k[1]] else {}
+                cached[k] = digest_cache.Entry(verified[k[1]], plan.models[sid].headers[k[1]].file_size, have)
 
     def missing(k: tuple[str, str]) -> list:
         e = cached[k]
@@ -99,6 +107,19 @@ def _digest_sources(plan: GGUFPlan, jobs: int, progress: Reporter) -> tuple[dict
         records[sid][f] = rec
         tensors.update(digests)
     return records, tensors
+
+
+def _verified(plan: GGUFPlan) -> dict[str, dict[str, str]]:
+    """Digests of hub source files that ``mosaic fetch`` verified and that are unchanged since."""
+    from mosaic.hub.snapshot import verified_digests
+
+    out: dict[str, dict[str, str]] = {}
+    for sid, spec in plan.recipe.sources.items():
+        if spec.repo is not None and spec.revision is not None:
+            d = verified_digests(spec.repo, spec.revision)
+            if d:
+                out[sid] = d
+    return out
 
 
 def _write_part(plan: GGUFPlan, index: int, dst_path: Path, on_bytes: object) -> str:
