@@ -42,8 +42,9 @@ from mosaic.recipe import Recipe
 
 #: Metadata that describes a file rather than the model's graph or tokenizer: not compared.
 UNCOMPARED_PREFIXES = ("general.", "split.", "quantize.", "mosaic.")
-#: ``general.*`` keys that do change what llama.cpp computes: compared.
-COMPARED_GENERAL = ("general.architecture", "general.quantization_version")
+#: Keys under those prefixes that do change what the runtime computes: compared. (ranma.cpp's EXL3
+#: types are decoded with the file's one codebook; imatrix and bit-rate keys describe a quantization.)
+COMPARED_GENERAL = ("general.architecture", "general.quantization_version", "quantize.exl3.codebook")
 
 
 @dataclass(frozen=True)
