@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 _GROUP_COLUMNS = (
@@ -118,11 +119,29 @@ def render_audit(console: Console, doc: dict) -> None:
                 shown += f" (+{len(fails) - 3} more)"
             t.add_row(ch["name"], "[green]pass[/green]" if ch["ok"] else f"[red]FAIL ({len(fails)})[/red]", shown)
         console.print(t)
+        render_signature(console, m.get("signature"))
     n_fail = sum(1 for m in doc["mosaics"] if not m["ok"])
     if n_fail:
         console.print(f"[red bold]audit failed[/red bold]: {n_fail} of {len(doc['mosaics'])} mosaic(s) have problems")
     else:
         console.print(f"[green bold]audit passed[/green bold]: {len(doc['mosaics'])} mosaic(s), every check")
+
+
+def render_signature(console: Console, sig: dict | None) -> None:
+    """One line on the folder's signature; a signature nobody checked is never called verified."""
+    if sig is None:
+        return
+    state = sig["state"]
+    if state == "verified":
+        console.print(f"signature: [green]verified[/green] {sig['file']} ({sig['files']} files) with {escape(str(sig['by']))}",
+                      soft_wrap=True)
+    elif state == "unverified":
+        console.print(f"signature: [yellow]{sig['file']} present, NOT verified[/yellow] "
+                      "(give --key PUBLIC_KEY, or --identity and --issuer, to verify it)", soft_wrap=True)
+    elif state == "failed":
+        console.print(f"signature: [red]{sig['file']} FAILED verification[/red] (see the signature check)", soft_wrap=True)
+    else:
+        console.print("signature: none (the folder is not signed)")
 
 
 def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) -> None:
