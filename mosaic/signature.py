@@ -247,15 +247,22 @@ def library_manifest(model_name: str, digests: Mapping[str, str]) -> Any:
     return manifest.Manifest(model_name, items, serialization)
 
 
-def _hashing_config(known: Any | None) -> Any:
+def _hashing_config(known: Any | None, serialization: Mapping[str, Any] | None = None) -> Any:
     """A ``model_signing`` hashing configuration that answers with ``known`` (a manifest) instead of
-    reading the folder, or, with None, the library's own hashing (SHA-256 by file) with mosaic's ignore
-    list. ``used`` tells whether the library got as far as hashing (it verifies the signature first)."""
+    reading the folder, or, with None, the library's own hashing as a signature's ``serialization``
+    describes it (by file or by shard, its hash), with mosaic's ignore list. ``used`` tells whether the
+    library got as far as hashing (it verifies the signature first)."""
     from model_signing import hashing
 
     class _Config(hashing.Config):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
+            ser = serialization or {}
+            algorithm = ser.get("hash_type", "sha256")
+            if ser.get("method") == "shards":
+                self.use_shard_serialization(hashing_algorithm=algorithm, shard_size=int(ser["shard_size"]))
+            elif known is None:
+                self.use_file_serialization(hashing_algorithm=algorithm)
             self.set_ignored_paths(paths=IGNORE_PATHS, ignore_git_paths=True)
             self.used = False
 
@@ -411,7 +418,11 @@ def check_signature(root: Path, names: Iterable[str], digests: Mapping[str, str]
     actual = complete_digests(root, names, digests)
     # A signature over whole files with SHA-256 (mosaic's, and the library's default) is checked
     # against the digests already read; any other serialization is hashed again by the library.
-    config = _hashing_config(library_manifest(root.name, actual) if signed is not None else None)
+    serialization = statement["predicate"]["serialization"]
+    try:
+        config = _hashing_config(library_manifest(root.name, actual) if signed is not None else None, serialization)
+    except (KeyError, TypeError, ValueError) as e:
+        return SignatureCheck(True, trust, failures=[(SIGNATURE_NAME, f"unsupported serialization {str(serialization)[:120]} ({e})")])
     from model_signing import verifying
 
     lib = verifying.Config()
