@@ -41,6 +41,7 @@ MOSAIC = $(BIN)/python -m mosaic.cli
 
 release: $(STAMP)
 	@test -n "$(RECIPE)" -a -n "$(REPO)" || { echo "usage: make release RECIPE=recipe.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1] [SIGN_KEY=key.pem | SIGSTORE=1]" >&2; exit 2; }
+	@$(if $(SIGN_KEY),test -r '$(SIGN_KEY)' || { echo "make release: cannot read SIGN_KEY=$(SIGN_KEY); nothing ran" >&2; exit 2; })
 	@out='$(OUT)'; \
 	if [ -z "$$out" ]; then \
 	  out=$$($(BIN)/python -c 'import sys; from mosaic.recipe import load_recipe; print(load_recipe(sys.argv[1]).output_path())' '$(RECIPE)') \
