@@ -16,7 +16,7 @@ from mosaic.audit.run import audit
 from mosaic.errors import VerificationError
 from mosaic.progress import SILENT, Reporter
 from mosaic.records import SIGNATURE_NAME
-from mosaic.signature import Signed, Signer, SigningError, sign_digests
+from mosaic.signature import Signed, Signer, SigningError, prepare_signer, sign_digests
 
 
 @dataclass
@@ -40,14 +40,16 @@ def sign(
     """Audit ``folder`` (a mosaic or a GGUF export) and, if every check passes, write ``model.sig``.
 
     Refuses (exit 2) a folder that is already signed unless ``force``; refuses (exit 1) a folder whose
-    audit fails, naming the first failure. An existing signature is replaced only once the new one is
-    complete."""
+    audit fails, naming the first failure. The signer is made before the audit reads anything, so a
+    refused key or an unreachable Sigstore stops it first. An existing signature is replaced only once
+    the new one is complete."""
     root = Path(folder)
     if not root.is_dir():
         raise NotAMosaic(f"{root}: not a folder")
     sig = root / SIGNATURE_NAME
     if (sig.exists() or sig.is_symlink()) and not force:
         raise SigningError(f"{sig}: the folder is already signed; --force replaces the signature")
+    prepared = prepare_signer(signer)
     rep = audit(root, sources=sources, jobs=jobs, progress=progress)
     if not rep.ok:
         f = rep.failures[0]
@@ -56,4 +58,4 @@ def sign(
         raise VerificationError(
             f"{root}: refusing to sign: `mosaic audit` failed: {f.check}: {where + ': ' if where else ''}{f.detail}{more}"
         )
-    return SignResult(rep, sign_digests(root, rep.files, rep.digests, signer))
+    return SignResult(rep, sign_digests(root, rep.files, rep.digests, prepared))

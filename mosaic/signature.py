@@ -343,19 +343,41 @@ class Signed:
         return {"file": self.path.name, "path": str(self.path), "files": self.files, "by": self.by}
 
 
-def sign_digests(root: Path, names: Iterable[str], digests: Mapping[str, str], signer: Signer) -> Signed:
-    """Sign ``root`` with the library over the given digests (every file not ignored), writing
-    ``model.sig`` atomically (a temporary name in the folder, renamed when complete)."""
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines()[0] if str(e) else type(e).__name__)[:300]
+
+
+@dataclass
+class PreparedSigner:
+    """The library's signing configuration, made before anything is read (see :func:`prepare_signer`)."""
+
+    config: Any = field(repr=False)
+    by: str
+
+
+def prepare_signer(signer: Signer) -> PreparedSigner:
+    """Make the library's signer now, so that a key the library refuses, or Sigstore's trust root out of
+    reach, stops the command before a 96 GB folder is read. (Sigstore's sign-in happens when signing.)"""
     from model_signing import signing
 
+    try:
+        config = signing.Config()
+        if isinstance(signer, SigningKey):
+            # The library hands the passphrase to cryptography, which takes bytes.
+            config = config.use_elliptic_key_signer(private_key=signer.path, password=signer.password)  # type: ignore[arg-type]
+        else:
+            config = config.use_sigstore_signer(use_ambient_credentials=True)
+    except Exception as e:  # the library's and the transport's errors (never carrying key material): one line
+        where = f"{signer.path}: " if isinstance(signer, SigningKey) else ""
+        raise SigningError(f"{where}cannot sign with {signer.describe()}: {_first_line(e)}") from None
+    return PreparedSigner(config, signer.describe())
+
+
+def sign_digests(root: Path, names: Iterable[str], digests: Mapping[str, str], signer: PreparedSigner) -> Signed:
+    """Sign ``root`` with the library over the given digests (every file not ignored), writing
+    ``model.sig`` atomically (a temporary name in the folder, renamed when complete)."""
     covered = complete_digests(root, names, digests)
-    config = signing.Config()
-    if isinstance(signer, SigningKey):
-        # The library hands the passphrase to cryptography, which takes bytes.
-        config = config.use_elliptic_key_signer(private_key=signer.path, password=signer.password)  # type: ignore[arg-type]
-    else:
-        config = config.use_sigstore_signer(use_ambient_credentials=True)
-    config = config.set_hashing_config(_hashing_config(library_manifest(root.name, covered)))
+    config = signer.config.set_hashing_config(_hashing_config(library_manifest(root.name, covered)))
     tmp = root / f".{SIGNATURE_NAME}.partial-{os.getpid()}"
     try:
         config.sign(root, tmp)
@@ -363,11 +385,10 @@ def sign_digests(root: Path, names: Iterable[str], digests: Mapping[str, str], s
     except MosaicError:
         raise
     except Exception as e:  # the library's and the signer's errors (never carrying key material): one line
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SigningError(f"{root / SIGNATURE_NAME}: signing with {signer.describe()} failed: {first}") from None
+        raise SigningError(f"{root / SIGNATURE_NAME}: signing with {signer.by} failed: {_first_line(e)}") from None
     finally:
         tmp.unlink(missing_ok=True)
-    return Signed(root / SIGNATURE_NAME, len(covered), signer.describe())
+    return Signed(root / SIGNATURE_NAME, len(covered), signer.by)
 
 
 @dataclass
@@ -425,15 +446,15 @@ def check_signature(root: Path, names: Iterable[str], digests: Mapping[str, str]
         return SignatureCheck(True, trust, failures=[(SIGNATURE_NAME, f"unsupported serialization {str(serialization)[:120]} ({e})")])
     from model_signing import verifying
 
-    lib = verifying.Config()
-    if trust.key is not None:
-        lib = lib.use_elliptic_key_verifier(public_key=trust.key)
-    else:
-        lib = lib.use_sigstore_verifier(identity=trust.identity, oidc_issuer=trust.issuer)  # type: ignore[arg-type]
     try:
+        lib = verifying.Config()
+        if trust.key is not None:
+            lib = lib.use_elliptic_key_verifier(public_key=trust.key)
+        else:  # Sigstore's trust root comes from the network (TUF); failing to get it is a failure too
+            lib = lib.use_sigstore_verifier(identity=trust.identity, oidc_issuer=trust.issuer)  # type: ignore[arg-type]
         lib.set_hashing_config(config).verify(root, sig)
     except Exception as e:  # the library's and the crypto's errors: failures, named
-        message = (str(e).splitlines()[0] if str(e) else type(e).__name__)[:300]
+        message = _first_line(e)
         if not config.used:
             return SignatureCheck(True, trust, failures=[(SIGNATURE_NAME, f"does not verify with {trust.describe()}: {message}")])
         found = differences(signed, actual) if signed is not None else []

@@ -506,3 +506,46 @@ def test_sign_api_refuses_with_verification_error(unsigned: Path, keys) -> None:
     with pytest.raises(VerificationError) as e:
         sign(unsigned, load_signing_key(keys["p256"][0]))
     assert "stray.bin" in str(e.value) and e.value.exit_code == 1
+
+
+# --- Sigstore: a thin pass-through to the library (its network is not reachable from the tests) ----
+
+
+def test_sigstore_signing_is_passed_to_the_library_before_anything_is_read(unsigned: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_signing import signing
+
+    import mosaic.sign as sign_mod
+
+    calls: list[dict] = []
+
+    def fake(self: object, **kw: object) -> None:
+        calls.append(kw)
+        raise RuntimeError("Failed to refresh TUF metadata\nsecond line")
+
+    monkeypatch.setattr(signing.Config, "use_sigstore_signer", fake)
+    monkeypatch.setattr(sign_mod, "audit", lambda *a, **k: pytest.fail("audited before the signer was ready"))
+    r = CliRunner().invoke(main, ["sign", str(unsigned), "--sigstore"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "mosaic: error: cannot sign with Sigstore (keyless): Failed to refresh TUF metadata"]
+    assert calls == [{"use_ambient_credentials": True}]
+    assert not (unsigned / SIGNATURE_NAME).exists()
+
+
+def test_sigstore_identity_is_passed_to_the_library_and_a_failure_is_named(signed: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_signing import verifying
+
+    calls: list[dict] = []
+
+    def fake(self: object, **kw: object) -> None:
+        calls.append(kw)
+        raise ValueError("no trust root")
+
+    monkeypatch.setattr(verifying.Config, "use_sigstore_verifier", fake)
+    code, _, doc = run_audit(signed, "--identity", "me@example.com", "--issuer", "https://accounts.example.com")
+    assert code == 1
+    assert calls == [{"identity": "me@example.com", "oidc_issuer": "https://accounts.example.com"}]
+    f = signature_failures(doc)
+    assert f[0]["file"] == SIGNATURE_NAME and "Sigstore identity me@example.com" in f[0]["detail"]
+    assert doc["mosaics"][0]["signature"]["method"] == "sigstore" and not doc["mosaics"][0]["signature"]["verified"]
