@@ -250,8 +250,8 @@ def library_manifest(model_name: str, digests: Mapping[str, str]) -> Any:
 def _hashing_config(known: Any | None, serialization: Mapping[str, Any] | None = None) -> Any:
     """A ``model_signing`` hashing configuration that answers with ``known`` (a manifest) instead of
     reading the folder, or, with None, the library's own hashing as a signature's ``serialization``
-    describes it (by file or by shard, its hash), with mosaic's ignore list. ``used`` tells whether the
-    library got as far as hashing (it verifies the signature first)."""
+    describes it (by file or by shard, its hash), with mosaic's ignore list and no other. ``used`` tells
+    whether the library got as far as hashing (it verifies the signature first)."""
     from model_signing import hashing
 
     class _Config(hashing.Config):  # type: ignore[misc]
@@ -267,10 +267,9 @@ def _hashing_config(known: Any | None, serialization: Mapping[str, Any] | None =
             self.used = False
 
         def add_ignored_paths(self, *, model_path: Any, paths: Iterable[Any]) -> None:
-            # A signature's own ignore list is the signer's word; with known digests mosaic holds every
-            # file but its own ignore list to the signature instead.
-            if known is None:
-                super().add_ignored_paths(model_path=model_path, paths=paths)
+            # The verifier passes the signature's own ignore list here. mosaic lets no signer exempt a
+            # file: every file but mosaic's own list (which holds the signature file) must be covered.
+            return None
 
         def hash(self, model_path: Any, *, files_to_hash: Iterable[Any] | None = None) -> Any:
             self.used = True
