@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import yaml
+
 from mosaic.checkpoint.exl3 import bits_from_trellis, parse_key
 from mosaic.recipe import layer_runs
 
@@ -136,12 +138,31 @@ def render_block(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_card(doc: dict) -> bytes:
+def base_models(doc: dict) -> list[str]:
+    """The lineage the card's front matter names: the base card's ``base_model``, else the base repo."""
     base = doc["sources"]["base"]
-    front = ["---"]
-    if "repo" in base:
-        front += [f"base_model: {base['repo']}", "base_model_relation: quantized"]
-    front += ["library_name: exllamav3", "tags:", "- exl3", "- mosaic", "---", ""]
+    names = list(base.get("base_model") or ([base["repo"]] if "repo" in base else []))
+    return list(dict.fromkeys(names))
+
+
+def front_matter(doc: dict) -> str:
+    """The card's YAML front matter, which the hub reads to draw the model's lineage.
+
+    A mosaic is a quantization of the original model (the hub accepts only ``adapter``, ``merge``,
+    ``quantized`` and ``finetune`` as ``base_model_relation``); without a known original, no relation.
+    """
+    meta: dict[str, object] = {}
+    names = base_models(doc)
+    if names:
+        meta["base_model"] = names[0] if len(names) == 1 else names
+        meta["base_model_relation"] = "quantized"
+    meta["library_name"] = "exllamav3"
+    meta["tags"] = ["exl3", "mosaic"]
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"
+
+
+def render_card(doc: dict) -> bytes:
+    front = [front_matter(doc)]
     head = [
         f"# {doc['name']}",
         "",

@@ -16,6 +16,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from mosaic.literal import printable
+
 Advance = Callable[[int], None]
 
 
@@ -32,7 +34,7 @@ class Reporter:
     def step(self, description: str, total: int) -> Advance:
         if self._p is None:
             return _noop
-        task = self._p.add_task(description, total=total)
+        task = self._p.add_task(printable(description), total=total)
         p = self._p
 
         def advance(n: int) -> None:
@@ -49,12 +51,12 @@ def reporter(enabled: bool | None = None) -> Iterator[Reporter]:
         yield Reporter(None)
         return
     progress = Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # descriptions hold names: never markup
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        console=Console(stderr=True),
+        console=Console(stderr=True, highlight=False, emoji=False),
         transient=False,
     )
     with progress:

@@ -35,7 +35,7 @@ _OUTPUT_FIELDS = {"dir", "exclude"}
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """Where a checkpoint comes from: a folder (relative to the recipe) or a pinned hub commit."""
+    """Where a checkpoint comes from: a folder (absolute, or relative to the recipe file) or a pinned hub commit."""
 
     id: str
     path: str | None = None
@@ -43,10 +43,16 @@ class SourceSpec:
     revision: str | None = None
 
     def as_record(self) -> dict[str, str]:
-        """How PROVENANCE.json names this source: as the recipe wrote it, never an absolute path."""
+        """How PROVENANCE.json names this source: exactly as the recipe wrote it (so an absolute path
+        appears only where the recipe itself names one)."""
         if self.repo is not None:
             return {"repo": self.repo, "revision": self.revision or ""}
         return {"path": self.path or ""}
+
+    @property
+    def is_folder(self) -> bool:
+        """A folder of this machine (relative or absolute), as opposed to a pinned hub commit."""
+        return self.repo is None
 
     def describe(self) -> str:
         return f"{self.repo}@{self.revision}" if self.repo else str(self.path)
@@ -112,6 +118,15 @@ class Recipe:
     @property
     def folder(self) -> Path:
         return self.file.parent
+
+    @property
+    def sources(self) -> dict[str, SourceSpec]:
+        """The base and every donor, by id (``base`` first)."""
+        return {"base": self.base, **self.donors}
+
+    def folder_sources(self) -> dict[str, str]:
+        """Sources named by a folder of this machine, as written: a recipe with any is not portable."""
+        return {sid: spec.path for sid, spec in self.sources.items() if spec.path is not None}
 
     def output_path(self, cwd: Path | None = None) -> Path:
         out = Path(self.output_dir) if self.output_dir else Path("out") / self.name
@@ -244,15 +259,9 @@ def _source(path: Path, field: str, sid: str, value: object) -> SourceSpec:
     if "path" in m:
         if "repo" in m or "revision" in m:
             raise _fail(path, field, "give either path, or repo + revision, not both")
-        sp = _string(path, f"{field}.path", m["path"])
-        if sp.startswith(("/", "~", "\\")) or re.match(r"^[A-Za-z]:", sp):
-            raise _fail(
-                path,
-                f"{field}.path",
-                f"{sp!r} is absolute; write it relative to the recipe file (the recipe and PROVENANCE.json "
-                "travel with the mosaic and must not name paths of this machine)",
-            )
-        return SourceSpec(sid, path=sp)
+        # A source location, not a name inside a folder: absolute, ``~`` and ``..`` are all accepted
+        # (models live on other disks); relative ones are relative to the recipe file.
+        return SourceSpec(sid, path=_string(path, f"{field}.path", m["path"]))
     if "repo" not in m:
         raise _fail(path, field, "needs path, or repo + revision")
     repo = _string(path, f"{field}.repo", m["repo"])

@@ -70,8 +70,20 @@ class Geometry:
 
 
 def demo_geometry(**kw: object) -> Geometry:
-    """The small MoE model of ``make demo``: a few MB, several shards."""
-    base: dict[str, object] = dict(layers=6, dense_layers=1, experts=8, shard_size=2 << 20)
+    """The small MoE model of ``make demo``: a few MB, several shards, shaped as a real Qwen3-MoE is
+    (every layer MoE, no shared experts, no router bias), so that the GGUF export takes it too."""
+    base: dict[str, object] = dict(layers=6, dense_layers=0, experts=8, shared_experts=False, score_bias=False,
+                                   shard_size=2 << 20)
+    base.update(kw)
+    return Geometry(**base)  # type: ignore[arg-type]
+
+
+def every_group_geometry(**kw: object) -> Geometry:
+    """A small MoE with every module group mosaic knows: a dense first layer, shared experts and a
+    router bias beside the routed experts. No real Qwen3-MoE has that shape (the GGUF export refuses
+    it), but build, census, plan and audit tests need every group in one model."""
+    base: dict[str, object] = dict(layers=6, dense_layers=1, experts=8, shared_experts=True, score_bias=True,
+                                   shard_size=2 << 20)
     base.update(kw)
     return Geometry(**base)  # type: ignore[arg-type]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mosaic.testing import Geometry, demo_geometry, write_checkpoint
+from mosaic.testing import Geometry, every_group_geometry, write_checkpoint
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -51,7 +51,7 @@ def ckpt_factory(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def demo_base(ckpt_factory) -> Path:
-    return ckpt_factory(demo_geometry())
+    return ckpt_factory(every_group_geometry())
 
 
 @pytest.fixture

@@ -16,16 +16,18 @@ import yaml
 from click.testing import CliRunner
 from safetensors import deserialize
 
+from mosaic.audit.run import audit
 from mosaic.build.provenance import validation_errors
 from mosaic.build.run import PARTIAL_TAG, build
 from mosaic.cli.commands import main
 from mosaic.errors import OutputError, RecipeError, SourceError, VerificationError
-from mosaic.testing import Geometry, demo_geometry, write_checkpoint
+from mosaic.recipe import parse_recipe
+from mosaic.testing import Geometry, every_group_geometry, write_checkpoint
 
 from .conftest import tree_digest
 
-BASE = demo_geometry(bits=2, seed=1)
-DONOR = demo_geometry(bits=3, head_bits=8, seed=2, style="library", shard_size=1 << 20)
+BASE = every_group_geometry(bits=2, seed=1)
+DONOR = every_group_geometry(bits=3, head_bits=8, seed=2, style="library", shard_size=1 << 20)
 
 
 def library_tensors(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
@@ -300,8 +302,8 @@ def test_not_enough_space(sources, tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_sigkill_midway_leaves_no_output_and_rerun_succeeds(tmp_path: Path) -> None:
-    base = write_checkpoint(tmp_path / "base", demo_geometry(experts=64, shard_size=16 << 20, seed=11))
-    donor = write_checkpoint(tmp_path / "donor", demo_geometry(experts=64, bits=4, shard_size=16 << 20, seed=12))
+    base = write_checkpoint(tmp_path / "base", every_group_geometry(experts=64, shard_size=16 << 20, seed=11))
+    donor = write_checkpoint(tmp_path / "donor", every_group_geometry(experts=64, bits=4, shard_size=16 << 20, seed=12))
     before = [tree_digest(base), tree_digest(donor)]
     recipe = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "layers": [1, 2, 3, 4, 5], "modules": ["mlp.experts"]}], at=tmp_path))
     out = tmp_path / "o"
@@ -433,3 +435,56 @@ def test_build_summary_without_rates_prints() -> None:
     }
     render_build(console, summary)
     assert "rate: exact - bpw" in console.export_text()
+
+
+# --- source locations: absolute folders are accepted and recorded as written ------------------------
+
+
+def test_absolute_source_paths_build_audit_and_audit_with_sources(sources, tmp_path: Path, monkeypatch) -> None:
+    base, donor = sources
+    recipe_dir = tmp_path / "recipes"
+    recipe_dir.mkdir()
+    doc = recipe_doc(base, donor, at=recipe_dir)
+    doc["base"] = {"path": str(base.resolve())}
+    doc["donors"]["q3"] = {"path": str(donor.resolve())}
+    recipe = write_recipe(recipe_dir, doc)
+    r = CliRunner().invoke(main, ["build", str(recipe), "--out", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    # one note, on one line, naming the folders and how to make the recipe portable
+    notes = [ln for ln in r.output.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and str(base.resolve()) in notes[0] and "repo + revision" in notes[0]
+    prov = json.loads((tmp_path / "m" / "PROVENANCE.json").read_text())
+    assert prov["sources"]["base"]["path"] == str(base.resolve())
+    assert prov["sources"]["q3"]["path"] == str(donor.resolve())
+    assert validation_errors(prov) == []
+    assert audit(tmp_path / "m").ok
+    assert audit(tmp_path / "m", sources=recipe).ok
+    monkeypatch.chdir(tmp_path)  # without RECIPE: absolute paths resolve the same from anywhere
+    rep = audit(tmp_path / "m", sources=True)
+    assert rep.ok, rep.failures
+    assert "sources" in rep.ran
+
+
+def test_home_relative_and_dotdot_source_paths_are_source_locations(sources, tmp_path: Path, monkeypatch) -> None:
+    base, donor = sources
+    monkeypatch.setenv("HOME", str(base.parent))
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    doc = recipe_doc(base, donor, at=deep)
+    doc["base"] = {"path": f"~/{base.name}"}
+    recipe = write_recipe(deep, doc)
+    assert doc["donors"]["q3"]["path"].startswith("../")
+    res = build(recipe, out=tmp_path / "m")
+    assert res.provenance["sources"]["base"]["path"] == f"~/{base.name}"
+    assert audit(tmp_path / "m", sources=recipe).ok
+
+
+def test_relative_sources_get_the_portability_note_and_hub_sources_do_not(sources, tmp_path: Path) -> None:
+    base, donor = sources
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path))
+    res = build(recipe, out=tmp_path / "m")
+    assert len(res.notes) == 1 and "base: " in res.notes[0] and "q3: " in res.notes[0]
+    pinned = {"repo": "org/m", "revision": "0" * 40}
+    doc = {**recipe_doc(base, donor, at=tmp_path), "base": pinned, "donors": {"q3": pinned}}
+    hub = parse_recipe(yaml.safe_dump(doc).encode(), tmp_path / "r.yaml")
+    assert hub.folder_sources() == {}

@@ -13,7 +13,7 @@ from mosaic.checkpoint.census import analyze, census_report
 from mosaic.checkpoint.folder import open_checkpoint
 from mosaic.cli.commands import main
 from mosaic.errors import CheckpointError, SafetensorsError
-from mosaic.testing import demo_geometry, glm_geometry, rewrite_shard
+from mosaic.testing import every_group_geometry, glm_geometry, rewrite_shard
 
 STYLES = ["exl3", "library"]
 
@@ -24,7 +24,7 @@ def census(path: Path) -> dict:
 
 @pytest.mark.parametrize("style", STYLES)
 def test_clean_checkpoint(ckpt_factory, style: str) -> None:
-    g = demo_geometry(style=style, layer_bits={2: 3, 4: 4})
+    g = every_group_geometry(style=style, layer_bits={2: 3, 4: 4})
     rep = census(ckpt_factory(g))
     assert rep["problems"] == []
     assert rep["codebooks"] == {"mul1": rep["exl3_modules"]}
@@ -48,8 +48,8 @@ def test_clean_checkpoint(ckpt_factory, style: str) -> None:
 
 
 def test_same_tensors_in_both_styles(ckpt_factory) -> None:
-    a = open_checkpoint(ckpt_factory(demo_geometry(style="exl3")))
-    b = open_checkpoint(ckpt_factory(demo_geometry(style="library")))
+    a = open_checkpoint(ckpt_factory(every_group_geometry(style="exl3")))
+    b = open_checkpoint(ckpt_factory(every_group_geometry(style="library")))
     assert set(a.tensor_file) == set(b.tensor_file)
     h0 = a.headers[a.shards[0]]
     assert (h0.header_len % 8 != 0) or h0.metadata is None
@@ -67,12 +67,12 @@ def test_glm_geometry(ckpt_factory) -> None:
 
 
 def test_per_expert_bit_mix_is_a_problem(ckpt_factory) -> None:
-    rep = census(ckpt_factory(demo_geometry(expert_bits={(3, 5): 3})))
+    rep = census(ckpt_factory(every_group_geometry(expert_bits={(3, 5): 3})))
     assert any("layer 3" in p and "cannot fuse" in p for p in rep["problems"])
 
 
 def test_mixed_codebooks_is_a_problem(ckpt_factory) -> None:
-    rep = census(ckpt_factory(demo_geometry(group_codebooks={"attention": "mcg"})))
+    rep = census(ckpt_factory(every_group_geometry(group_codebooks={"attention": "mcg"})))
     assert any(p.startswith("mixed codebooks") for p in rep["problems"])
 
 
@@ -167,7 +167,7 @@ def test_cli_exit_codes_and_json(demo_base: Path, ckpt_factory, tmp_path: Path) 
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["problems"] == [] and doc["tensors"] > 0
-    bad = ckpt_factory(demo_geometry(expert_bits={(3, 5): 3}))
+    bad = ckpt_factory(every_group_geometry(expert_bits={(3, 5): 3}))
     r = CliRunner().invoke(main, ["census", str(bad)])
     assert r.exit_code == 1 and "cannot fuse" in r.output
     r = CliRunner().invoke(main, ["census", str(tmp_path / "nope")])

@@ -37,7 +37,7 @@ from mosaic.build import run as build_mod
 from mosaic.build import splice as splice_mod
 from mosaic.build.run import PARTIAL_TAG, build
 from mosaic.cli.commands import main
-from mosaic.testing import demo_geometry, write_checkpoint
+from mosaic.testing import every_group_geometry, write_checkpoint
 
 from .conftest import tree_digest
 from .test_build import recipe_doc, write_recipe
@@ -46,7 +46,7 @@ from .test_build import recipe_doc, write_recipe
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("faults")
-    g = demo_geometry(experts=16, shard_size=1 << 20)
+    g = every_group_geometry(experts=16, shard_size=1 << 20)
     base = write_checkpoint(root / "base", g.with_(seed=21))
     donor = write_checkpoint(root / "donor", g.with_(seed=22, bits=4, style="library"))
     recipe = write_recipe(root, recipe_doc(base, donor, [

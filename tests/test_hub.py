@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from huggingface_hub import ModelCard
 
 from mosaic import __version__
 from mosaic.audit.run import audit
@@ -29,13 +30,13 @@ from mosaic.hub.snapshot import cache_snapshot_folder, record_path, resolve_snap
 from mosaic.publish import PublishError, compare_with_hub, publish, upload_plan
 from mosaic.signature import load_trust
 from mosaic.sources import hub_snapshot
-from mosaic.testing import demo_geometry
+from mosaic.testing import every_group_geometry
 
 from .fakehub import FakeHub
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = demo_geometry(bits=2, seed=1)
-DONOR = demo_geometry(bits=3, head_bits=8, seed=2, style="library", shard_size=1 << 20)
+BASE = every_group_geometry(bits=2, seed=1)
+DONOR = every_group_geometry(bits=3, head_bits=8, seed=2, style="library", shard_size=1 << 20)
 TOKEN = "hf_mosaicTestTokenNeverPrinted0123456789"
 REPO = "test-org/base-exl3"
 
@@ -284,6 +285,9 @@ def test_build_from_cache_resolved_repo_base_records_provenance(
         assert f["size"] == (base / name).stat().st_size
     assert str(hub.home) not in json.dumps(prov)  # type: ignore[attr-defined]
     assert audit(res.out_dir, sources=recipe).ok
+    card = ModelCard.load(res.out_dir / "README.md")  # the hub's own parser: lineage to the base repo
+    assert card.data.base_model == REPO and card.data.base_model_relation == "quantized"
+    assert f"`{REPO}` @ `{sha}`" in card.text
 
 
 # --- publish ---------------------------------------------------------------------------------------

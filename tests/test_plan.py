@@ -22,11 +22,11 @@ from mosaic.plan.planner import PlanRequest, parse_size, plan_mosaic
 from mosaic.plan.scores import ScoresError
 from mosaic.plan.solver import Option, choose_count, solve_knapsack, solve_pareto
 from mosaic.plan.units import PlanError, find_units
-from mosaic.testing import demo_geometry
+from mosaic.testing import every_group_geometry
 
-BASE = demo_geometry(bits=2, seed=1)  # exllamav3-style headers: unpadded, so a rewrite grows them
-DONOR3 = demo_geometry(bits=3, head_bits=8, seed=2, style="library", shard_size=1 << 20)
-DONOR4 = demo_geometry(bits=4, seed=3)
+BASE = every_group_geometry(bits=2, seed=1)  # exllamav3-style headers: unpadded, so a rewrite grows them
+DONOR3 = every_group_geometry(bits=3, head_bits=8, seed=2, style="library", shard_size=1 << 20)
+DONOR4 = every_group_geometry(bits=4, seed=3)
 MOE_LAYERS = [1, 2, 3, 4, 5]
 
 

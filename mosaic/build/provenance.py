@@ -1,8 +1,9 @@
 """PROVENANCE.json: what a mosaic claims about itself, assembled from a finished build.
 
-Records are plain: relative POSIX names, one digest per item, sources named as the recipe named
-them (never a path of the build machine), and nothing that changes between two builds of the same
-recipe (no time, no host). The document is validated against ``PROVENANCE.schema.json`` before it
+Records are plain: relative POSIX names for everything inside a folder, one digest per item,
+sources named exactly as the recipe named them (so an absolute path appears only where the recipe
+itself names one: a source location is not a name inside a folder), and nothing that changes between
+two builds of the same recipe (no time, no host). The document is validated against ``PROVENANCE.schema.json`` before it
 is written. Serialization is deterministic and streams one tensor per line, so a 150,000-tensor
 record is both fast to write and readable in a diff.
 """
@@ -10,12 +11,45 @@ record is both fast to write and readable in a diff.
 from __future__ import annotations
 
 from fractions import Fraction
+from pathlib import Path
 
 from mosaic import __version__
 from mosaic.build.layout import BuildPlan
 from mosaic.build.splice import SpliceResult
 from mosaic.errors import VerificationError
-from mosaic.records import PROVENANCE_NAME, RECIPE_NAME, SCHEMA_ID, FileRecord, dumps, validation_errors
+from mosaic.records import (
+    CARD_NAME,
+    PROVENANCE_NAME,
+    RECIPE_NAME,
+    SCHEMA_ID,
+    FileRecord,
+    dumps,
+    validation_errors,
+)
+
+#: A base card larger than this is not read for its front matter (cards are a few kB).
+MAX_CARD_BYTES = 1 << 20
+
+
+def card_base_model(folder: Path) -> list[str]:
+    """The original model(s) a source's own model card names as ``base_model`` in its front matter.
+
+    A mosaic is a quantization of that original model, so its card names the same lineage for the hub
+    to draw. Read with huggingface_hub's own front-matter parser; a card that is missing, too large
+    or unreadable simply names nothing (the base's repo id is used instead, when there is one).
+    """
+    from huggingface_hub import metadata_load
+
+    readme = folder / CARD_NAME
+    try:
+        if not readme.is_file() or readme.stat().st_size > MAX_CARD_BYTES:
+            return []
+        meta = metadata_load(readme) or {}
+    except Exception:  # a malformed card is the base's business; the lineage falls back to the repo id
+        return []
+    value = meta.get("base_model")
+    values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    return list(dict.fromkeys(v.strip() for v in values if isinstance(v, str) and v.strip()))
 
 
 def _rate(r: Fraction | float | None) -> float | None:
@@ -30,6 +64,8 @@ def build_provenance(plan: BuildPlan, res: SpliceResult) -> dict:
         spec = recipe.base if sid == "base" else recipe.donors[sid]
         files = [_file(res.sources[sid][n].record) for n in plan.used_files.get(sid, [])]
         sources[sid] = {**spec.as_record(), "rate": _rate(a.nominal_rate), "files": files}
+        if sid == "base" and (lineage := card_base_model(a.ckpt.root)):
+            sources[sid]["base_model"] = lineage
     tensors = [
         {
             "name": t.name,

@@ -46,6 +46,18 @@ class BuildResult:
     provenance: dict
     splice: SpliceResult
 
+    @property
+    def notes(self) -> list[str]:
+        """What a user should know about the build that is not a failure."""
+        folders = self.plan.recipe.folder_sources()
+        if not folders:
+            return []
+        named = ", ".join(f"{sid}: {path}" for sid, path in folders.items())
+        return [
+            f"the recipe names folders of this machine ({named}); PROVENANCE.json records them as written. "
+            "Sources given as repo + revision (a pinned hub commit) make the recipe portable."
+        ]
+
 
 def _census(sid: str, spec: object, folder: Path, modules: set[str] | None = None) -> Analysis:
     a = analyze(open_checkpoint(folder, modules=modules))

@@ -17,11 +17,13 @@ import click
 from rich.console import Console
 
 from mosaic import __version__
+from mosaic.cli.render import stdout_console
 from mosaic.errors import MosaicError
+from mosaic.literal import printable
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"mosaic: error: {message}", err=True)
+    click.echo(f"mosaic: error: {printable(message)}", err=True)
     sys.exit(code)
 
 
@@ -49,7 +51,7 @@ def _emit_json(doc: object) -> None:
 
 
 def _console() -> Console:
-    return Console(highlight=False)
+    return stdout_console()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -106,6 +108,7 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
         "from_donors": sum(1 for t in doc["tensors"] if t["source"] != "base"),
         "shards": {name: method for name, method in res.splice.methods.items()},
         "checks": doc["checks"],
+        "notes": res.notes,
     }
     if as_json:
         _emit_json(summary)
@@ -266,11 +269,13 @@ def sign(directory: Path, key: Path | None, password_file: Path | None, sigstore
     if as_json:
         _emit_json(res.as_dict())
         return
+    from mosaic.literal import printable
+
     c = res.report.counts
-    click.echo(f"audit passed: {directory} ({c.get('files', 0)} files, {c.get('bytes', 0):,} bytes read once)")
-    click.echo(f"signed {res.signed.path}: {res.signed.files} files, with {res.signed.by}")
+    click.echo(f"audit passed: {printable(directory)} ({c.get('files', 0)} files, {c.get('bytes', 0):,} bytes read once)")
+    click.echo(f"signed {printable(res.signed.path)}: {res.signed.files} files, with {printable(res.signed.by)}")
     how = "--key PUBLIC_KEY" if key else "--identity IDENTITY --issuer ISSUER"
-    click.echo(f"verify with: mosaic audit {directory} {how}")
+    click.echo(f"verify with: mosaic audit {printable(directory)} {how}")
 
 
 @main.group()
@@ -302,18 +307,9 @@ def export_gguf_cmd(directory: Path, out: Path, split_max_size: str, no_tensor_f
     if as_json:
         _emit_json(summary)
         return
-    con = _console()
-    con.print(f"[bold]{summary['output']}[/bold]: {summary['architecture']}, {summary['tensors']} tensors "
-              f"({summary['exl3_tensors']} EXL3), {summary['size']:,} bytes in {len(summary['files'])} files")
-    for f in summary["files"]:
-        con.print(f"  {f['name']}  {f['size']:,}")
-    tok = summary["tokenizer"]
-    if tok:
-        con.print(f"tokenizer: {tok['model']} ({tok['pre']} pre-tokenizer), {tok['tokens']:,} tokens")
-    om = summary["omitted"]
-    if om["mtp_tensors"] or om["vision_tensors"]:
-        con.print(f"left out (not converted; listed in manifest.json): {om['mtp_tensors']} MTP-layer tensors, "
-                  f"{om['vision_tensors']} vision-tower tensors")
+    from mosaic.cli.render import render_export
+
+    render_export(_console(), summary)
 
 
 @main.command()
@@ -340,13 +336,9 @@ def fetch(recipe: Path, local_dir: Path | None, jobs: int | None, as_json: bool)
     if as_json:
         _emit_json(doc)
         return
-    con = _console()
-    if not got:
-        con.print("no repo + revision sources in this recipe: nothing to fetch")
-    for s in got:
-        how = f"{s.hashed} hashed, {s.unchanged} unchanged since verified" + (" (offline, from the cache)" if s.offline else "")
-        con.print(f"{s.repo}@{s.revision}: {s.files} files, {s.bytes:,} bytes verified against the hub's digests ({how})")
-        con.print(f"  {s.folder}")
+    from mosaic.cli.render import render_fetch
+
+    render_fetch(_console(), got)
 
 
 @main.command()
@@ -375,23 +367,10 @@ def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_r
     if as_json:
         _emit_json(res.as_dict())
         return
-    con = _console()
-    total = sum(f.size for f in res.files)
-    verb = "would upload" if dry_run else "uploaded"
-    con.print(f"{verb} {len(res.files)} files, {total:,} bytes, to {res.repo} branch {res.branch} in one commit:")
-    con.print(f"  {res.commit_message}")
-    for f in res.files:
-        con.print(f"  {f.size:>16,}  {f.name}")
-    for n in res.deleted:
-        con.print(f"  {'deleted':>16}  {n}")
-    if res.signature:
-        click.echo(f"signed ({res.signature}): verify a download with `mosaic audit DIR --key PUBLIC_KEY` "
-                   f"(or --identity/--issuer for a Sigstore signature), or with model_signing alone: "
-                   f"`model_signing verify key DIR --signature DIR/{res.signature} --public_key PUBLIC_KEY`")
-    else:
-        click.echo("not signed: `mosaic sign DIRECTORY --key PRIVATE_KEY` before publishing adds model.sig")
+    from mosaic.cli.render import render_publish
+
+    render_publish(_console(), res)
     if not dry_run:
-        con.print("hub digests of every uploaded file match sha256-manifest.txt")
         click.echo(res.commit)
 
 

@@ -1,10 +1,35 @@
-"""How results look on a terminal: rich tables for census, build and audit. Only presentation here."""
+"""How results look: rich tables on a terminal, whole unwrapped lines in a pipe or a log. Only presentation here.
+
+Every string that comes from data (names, paths, details, notes) goes through ``lit`` before rich
+sees it, so a tensor name like ``[model.layers.1.mlp]`` is printed, not taken for markup. When
+stdout is not a terminal nothing is wrapped or coloured, and each audit failure is one line naming
+its check, file and tensor, so that ``grep`` and log readers find them whole (CONTRACT.md).
+"""
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+
+from mosaic.literal import markup_literal as lit
+
+if TYPE_CHECKING:
+    from mosaic.hub.fetch import FetchedSnapshot
+    from mosaic.publish import PublishResult
+
+#: Lines are never wrapped when not on a terminal; tables are laid out as if the page were this wide.
+PLAIN_WIDTH = 1 << 14
+
+
+def stdout_console() -> Console:
+    """The console for a command's report: rich on a terminal; plain, unwrapped, uncoloured otherwise."""
+    if sys.stdout.isatty():
+        return Console(highlight=False, emoji=False)
+    return Console(highlight=False, emoji=False, color_system=None, no_color=True, soft_wrap=True,
+                   width=PLAIN_WIDTH, force_terminal=False)
 
 _GROUP_COLUMNS = (
     ("routed_experts", "routed experts"),
@@ -31,32 +56,34 @@ def _bits(v: list) -> str:
 
 
 def render_census(console: Console, rep: dict) -> None:
-    books = ", ".join(f"{k} ({v})" for k, v in rep["codebooks"].items()) or "none"
+    books = ", ".join(f"{lit(k)} ({v})" for k, v in rep["codebooks"].items()) or "none"
     rate = rep["rate"]
-    console.print(f"[bold]{rep['path']}[/bold]")
+    console.print(f"[bold]{lit(rep['path'])}[/bold]")
     console.print(
         f"{rep['tensors']:,} tensors in {rep['shards']} shard(s), {rep['bytes']['files']:,} bytes "
         f"({human_bytes(rep['bytes']['files'])}); {rep['exl3_modules']:,} EXL3 modules; codebook: {books}"
     )
     exact = f"{rate['exact']:.4f}" if rate["exact"] is not None else "-"
-    console.print(f"exact trellis rate {exact} bpw (config.json says {rate['config']}); head bits {_bits(rep['head_bits'])}")
+    console.print(f"exact trellis rate {exact} bpw (config.json says {lit(rate['config'])}); head bits {_bits(rep['head_bits'])}")
     hist = Table(title="bits histogram", show_edge=False)
     hist.add_column("bits", justify="right")
     hist.add_column("modules", justify="right")
     hist.add_column("weights", justify="right")
     for b, h in rep["bits_histogram"].items():
-        hist.add_row(b, f"{h['modules']:,}", f"{h['weights']:,}")
+        hist.add_row(lit(b), f"{h['modules']:,}", f"{h['weights']:,}")
     console.print(hist)
     t = Table(title="bits per layer and module group", show_edge=False)
     t.add_column("layer", justify="right")
-    for _, title in _GROUP_COLUMNS:
+    present = {k for row in rep["layers"] for k in row["groups"]}
+    columns = [(key, title) for key, title in _GROUP_COLUMNS if key in present]  # a model without a group: no column
+    for _, title in columns:
         t.add_column(title, justify="center")
     t.add_column("rate", justify="right")
     for row in rep["layers"]:
         g = row["groups"]
         label = f"{row['layer']}" + (" (MTP)" if row["mtp"] else "")
         cells = []
-        for key, _ in _GROUP_COLUMNS:
+        for key, _ in columns:
             if key in g:
                 c = _bits(g[key]["bits"])
                 if key == "routed_experts":
@@ -69,18 +96,18 @@ def render_census(console: Console, rep: dict) -> None:
         t.add_row(label, *cells, f"{row['rate']:.3f}" if row["rate"] is not None else "-")
     console.print(t)
     for n in rep["notes"]:
-        console.print(f"[yellow]note:[/yellow] {n}")
+        console.print(f"[yellow]note:[/yellow] {lit(n)}")
     if rep["problems"]:
         console.print(f"[red bold]{len(rep['problems'])} problem(s):[/red bold]")
         for p in rep["problems"]:
-            console.print(f"  [red]✗[/red] {p}", markup=True, highlight=False)
+            console.print(f"  [red]✗[/red] {lit(p)}")
     else:
         console.print("[green]no problems found[/green]")
 
 
 def render_build(console: Console, s: dict) -> None:
     rate = s["rate"]
-    console.print(f"[bold green]built[/bold green] {s['output']}")
+    console.print(f"[bold green]built[/bold green] {lit(s['output'])}")
     console.print(
         f"{s['size']['shards']:,} bytes ({human_bytes(s['size']['shards'])}) in {len(s['shards'])} shard(s); "
         f"{s['tensors']:,} tensors, {s['from_donors']:,} from donors"
@@ -94,30 +121,44 @@ def render_build(console: Console, s: dict) -> None:
     t.add_column("ok")
     t.add_column("detail")
     for c in s["checks"]:
-        t.add_row(c["name"], "[green]✓[/green]" if c["ok"] else "[red]✗[/red]", c["detail"])
+        t.add_row(lit(c["name"]), "[green]✓[/green]" if c["ok"] else "[red]✗[/red]", lit(c["detail"]))
     console.print(t)
+    for n in s.get("notes", []):
+        console.print(f"[yellow]note:[/yellow] {lit(n)}")
+
+
+def _failure_parts(f: dict) -> list[str]:
+    return [x for x in (f.get("file"), f.get("tensor")) if x]
 
 
 def render_audit(console: Console, doc: dict) -> None:
+    table = console.is_terminal
     for m in doc["mosaics"]:
         c = m["counts"]
         console.print(
-            f"[bold]{m['path']}[/bold]: {c.get('files', 0)} files, {c.get('shards', 0)} shards, "
+            f"[bold]{lit(m['path'])}[/bold]: {c.get('files', 0)} files, {c.get('shards', 0)} shards, "
             f"{c.get('tensors', 0):,} tensors, {c.get('bytes', 0):,} bytes read once"
         )
+        if not table:
+            # one line per check, then one line per failure: check, file, tensor and detail whole
+            for ch in m["checks"]:
+                fails = ch["failures"]
+                console.print(f"{lit(ch['name'])}: " + ("pass" if ch["ok"] else f"FAIL ({len(fails)})"))
+            for ch in m["checks"]:
+                for f in ch["failures"]:
+                    console.print("FAIL " + ": ".join(lit(x) for x in (ch["name"], *_failure_parts(f), f["detail"])))
+            render_signature(console, m.get("signature"))
+            continue
         t = Table(show_edge=False)
         t.add_column("check")
         t.add_column("result")
         t.add_column("first failures")
         for ch in m["checks"]:
             fails = ch["failures"]
-            shown = "; ".join(
-                " ".join(x for x in (f.get("file") or "", f"[{f['tensor']}]" if f.get("tensor") else "", f["detail"]) if x)
-                for f in fails[:3]
-            )
+            shown = "; ".join(": ".join(lit(x) for x in (*_failure_parts(f), f["detail"])) for f in fails[:3])
             if len(fails) > 3:
                 shown += f" (+{len(fails) - 3} more)"
-            t.add_row(ch["name"], "[green]pass[/green]" if ch["ok"] else f"[red]FAIL ({len(fails)})[/red]", shown)
+            t.add_row(lit(ch["name"]), "[green]pass[/green]" if ch["ok"] else f"[red]FAIL ({len(fails)})[/red]", shown)
         console.print(t)
         render_signature(console, m.get("signature"))
     n_fail = sum(1 for m in doc["mosaics"] if not m["ok"])
@@ -131,15 +172,14 @@ def render_signature(console: Console, sig: dict | None) -> None:
     """One line on the folder's signature; a signature nobody checked is never called verified."""
     if sig is None:
         return
-    state = sig["state"]
+    state, name = sig["state"], lit(sig["file"])
     if state == "verified":
-        console.print(f"signature: [green]verified[/green] {sig['file']} ({sig['files']} files) with {escape(str(sig['by']))}",
-                      soft_wrap=True)
+        console.print(f"signature: [green]verified[/green] {name} ({sig['files']} files) with {lit(sig['by'])}")
     elif state == "unverified":
-        console.print(f"signature: [yellow]{sig['file']} present, NOT verified[/yellow] "
-                      "(give --key PUBLIC_KEY, or --identity and --issuer, to verify it)", soft_wrap=True)
+        console.print(f"signature: [yellow]{name} present, NOT verified[/yellow] "
+                      "(give --key PUBLIC_KEY, or --identity and --issuer, to verify it)")
     elif state == "failed":
-        console.print(f"signature: [red]{sig['file']} FAILED verification[/red] (see the signature check)", soft_wrap=True)
+        console.print(f"signature: [red]{name} FAILED verification[/red] (see the signature check)")
     else:
         console.print("signature: none (the folder is not signed)")
 
@@ -162,13 +202,56 @@ def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) 
     opt = {(c["layer"], c["donor"]) for c in rep["chosen"]}
     gre = {(c["layer"], c["donor"]) for c in g["chosen"]}
     for layer, donor in sorted(opt | gre):
-        t.add_row(str(layer), donor if (layer, donor) in opt else "", donor if (layer, donor) in gre else "")
+        t.add_row(str(layer), lit(donor) if (layer, donor) in opt else "", lit(donor) if (layer, donor) in gre else "")
     console.print(t)
     console.print(
         f"exact: score {rep['score']:.6g}, {rep['predicted_size']:,} bytes; "
         f"greedy (score per cost, take while it fits): score {g['score']:.6g}, {g['predicted_size']:,} bytes"
     )
     for n in notes:
-        console.print(f"[yellow]note:[/yellow] {n}")
+        console.print(f"[yellow]note:[/yellow] {lit(n)}")
     if out:
-        console.print(f"recipe written to {out}; build it with: mosaic build {out}")
+        console.print(f"recipe written to {lit(out)}; build it with: mosaic build {lit(out)}")
+
+
+def render_export(console: Console, summary: dict) -> None:
+    console.print(f"[bold]{lit(summary['output'])}[/bold]: {lit(summary['architecture'])}, {summary['tensors']} tensors "
+                  f"({summary['exl3_tensors']} EXL3), {summary['size']:,} bytes in {len(summary['files'])} files")
+    for f in summary["files"]:
+        console.print(f"  {lit(f['name'])}  {f['size']:,}")
+    tok = summary["tokenizer"]
+    if tok:
+        console.print(f"tokenizer: {lit(tok['model'])} ({lit(tok['pre'])} pre-tokenizer), {tok['tokens']:,} tokens")
+    om = summary["omitted"]
+    if om["mtp_tensors"] or om["vision_tensors"]:
+        console.print(f"left out (not converted; listed in manifest.json): {om['mtp_tensors']} MTP-layer tensors, "
+                      f"{om['vision_tensors']} vision-tower tensors")
+
+
+def render_fetch(console: Console, sources: list[FetchedSnapshot]) -> None:
+    if not sources:
+        console.print("no repo + revision sources in this recipe: nothing to fetch")
+    for s in sources:
+        how = f"{s.hashed} hashed, {s.unchanged} unchanged since verified" + (" (offline, from the cache)" if s.offline else "")
+        console.print(f"{lit(s.repo)}@{lit(s.revision)}: {s.files} files, {s.bytes:,} bytes verified against the hub's digests ({how})")
+        console.print(f"  {lit(s.folder)}")
+
+
+def render_publish(console: Console, res: PublishResult) -> None:
+    files = res.files
+    total = sum(f.size for f in files)
+    verb = "would upload" if res.dry_run else "uploaded"
+    console.print(f"{verb} {len(files)} files, {total:,} bytes, to {lit(res.repo)} branch {lit(res.branch)} in one commit:")
+    console.print(f"  {lit(res.commit_message)}")
+    for f in files:
+        console.print(f"  {f.size:>16,}  {lit(f.name)}")
+    for n in res.deleted:
+        console.print(f"  {'deleted':>16}  {lit(n)}")
+    if res.signature:
+        console.print(f"signed ({lit(res.signature)}): verify a download with `mosaic audit DIR --key PUBLIC_KEY` "
+                      "(or --identity/--issuer for a Sigstore signature), or with model_signing alone: "
+                      f"`model_signing verify key DIR --signature DIR/{lit(res.signature)} --public_key PUBLIC_KEY`")
+    else:
+        console.print("not signed: `mosaic sign DIRECTORY --key PRIVATE_KEY` before publishing adds model.sig")
+    if not res.dry_run:
+        console.print("hub digests of every uploaded file match sha256-manifest.txt")

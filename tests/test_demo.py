@@ -1,0 +1,37 @@
+"""`make demo`'s tour, run as the Makefile runs it: every step succeeds and each result is where it says."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mosaic.audit.run import audit
+from mosaic.demo import run
+from mosaic.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_whole_tour_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "recipes").mkdir()
+    shutil.copy(ROOT / "recipes" / "demo.yaml", tmp_path / "recipes" / "demo.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert run(Path("demo"), Path("recipes/demo.yaml")) == 0
+    printed = capsys.readouterr().out
+    for step in ("$ mosaic census", "$ mosaic plan", "$ mosaic build", "$ mosaic audit", "$ mosaic export gguf"):
+        assert step in printed
+    assert printed.count("audit passed") == 2
+    out, gguf = tmp_path / "demo/out/demo-mosaic", tmp_path / "demo/out/demo-mosaic-gguf"
+    assert audit(out).ok and audit(gguf, sources=out).ok
+    assert sorted(p.name for p in gguf.glob("*.gguf"))
+    # the plan chose, from the demo's scores, the very layers recipes/demo.yaml takes
+    planned, demo = load_recipe(tmp_path / "demo/planned.yaml"), load_recipe(tmp_path / "recipes/demo.yaml")
+    assert planned.rules[0].layers == demo.rules[0].layers == (1, 4, 5)
+    assert json.loads((tmp_path / "demo/scores.json").read_text())["higher_is_better"] is True
+    # the closing lines say where each result is
+    tail = printed[printed.index("Where everything is"):]
+    for p in ("demo/planned.yaml", "demo/out/demo-mosaic", "demo/out/demo-mosaic-gguf", "PROVENANCE.json", "sha256sum -c"):
+        assert p in tail
