@@ -29,7 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/run.py
 
 fuzz: $(STAMP)
-	MOSAIC_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest tests/test_fuzz.py tests/test_safetensors_reader.py tests/test_records.py \
+	MOSAIC_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest tests/test_fuzz.py tests/test_safetensors_reader.py tests/test_records.py tests/test_signing.py \
 		-k 'fuzz or test_records' -p no:cacheprovider
 
 # make release RECIPE=recipes/x.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1] [SIGN_KEY=key.pem | SIGSTORE=1]

@@ -295,7 +295,7 @@ def read_statement(path: Path) -> dict[str, Any]:
         predicate = statement["predicate"]
         if not isinstance(predicate["serialization"], dict) or not isinstance(predicate["resources"], list):
             raise TypeError("serialization or resources")
-    except (ValueError, KeyError, TypeError, binascii.Error, UnicodeDecodeError) as e:
+    except (ValueError, KeyError, TypeError, binascii.Error, UnicodeDecodeError, RecursionError) as e:
         raise MalformedSignature(f"not a model signing bundle ({type(e).__name__}: {str(e)[:120]})") from None
     return statement
 

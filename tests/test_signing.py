@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import pytest
 from click.testing import CliRunner
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from mosaic.audit.run import audit
 from mosaic.build.run import build
@@ -549,3 +552,65 @@ def test_sigstore_identity_is_passed_to_the_library_and_a_failure_is_named(signe
     f = signature_failures(doc)
     assert f[0]["file"] == SIGNATURE_NAME and "Sigstore identity me@example.com" in f[0]["detail"]
     assert doc["mosaics"][0]["signature"]["method"] == "sigstore" and not doc["mosaics"][0]["signature"]["verified"]
+
+
+# --- hostile signature files ------------------------------------------------------------------------
+
+FUZZ_EXAMPLES = int(os.environ.get("MOSAIC_FUZZ_EXAMPLES", "200"))
+
+
+def _bundle_with(payload: object) -> bytes:
+    import base64
+
+    raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return json.dumps({"mediaType": "application/vnd.dev.sigstore.bundle.v0.3+json",
+                       "dsseEnvelope": {"payload": base64.b64encode(raw).decode(), "payloadType": "application/vnd.in-toto+json",
+                                        "signatures": [{"sig": "AAAA", "keyid": ""}]}}).encode()
+
+
+_HOSTILE = st.one_of(
+    st.binary(max_size=300),
+    st.text(max_size=200).map(str.encode),
+    st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                 lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                 max_leaves=20).map(lambda v: json.dumps(v).encode()),
+    st.recursive(st.none() | st.integers() | st.text(max_size=8),
+                 lambda c: st.lists(c, max_size=3) | st.dictionaries(
+                     st.sampled_from(["predicate", "serialization", "resources", "name", "digest", "method"]), c, max_size=3),
+                 max_leaves=12).map(_bundle_with),
+)
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=_HOSTILE)
+@example(data=b"[" * 100_000)
+@example(data=_bundle_with(b"{" * 100_000))
+@example(data=_bundle_with({"predicate": {"serialization": {"method": "files", "hash_type": "sha256"},
+                                          "resources": [{"name": "../../etc/passwd", "digest": "00"}, 7]}}))
+@example(data=_bundle_with({"predicate": {"serialization": {"method": "shards"}, "resources": []}}))
+def test_fuzz_read_statement_refuses_cleanly(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
+    from mosaic.signature import MalformedSignature, read_statement, signed_files
+
+    p = tmp_path_factory.mktemp("sig") / SIGNATURE_NAME
+    p.write_bytes(data)
+    try:
+        statement = read_statement(p)
+        files = signed_files(statement)
+    except MalformedSignature as e:  # the only way to refuse: one line, the audit's failure detail
+        assert "\n" not in str(e) and str(e).startswith(("not a model signing bundle", "malformed resource"))
+    else:
+        assert isinstance(statement["predicate"]["resources"], list)
+        assert files is None or all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+
+
+def test_hostile_signature_files_through_the_audit(signed: Path, keys) -> None:
+    """Whatever model.sig holds, `mosaic audit --key` reports a failed signature (exit 1) in one piece."""
+    cases = [b"", b"[" * 100_000, b"\xff\xfe", _bundle_with(b"{" * 100_000),
+             _bundle_with({"predicate": {"serialization": {"method": "shards"}, "resources": []}}),
+             _bundle_with({"predicate": {"serialization": {"method": "files", "hash_type": "sha256"},
+                                         "resources": [{"name": "../../x", "digest": "00"}]}})]
+    for data in cases:
+        (signed / SIGNATURE_NAME).write_bytes(data)
+        code, out, doc = run_audit(signed, "--key", str(keys["p256"][1]))
+        assert code == 1, out
+        assert signature_failures(doc) and doc["mosaics"][0]["signature"]["state"] == "failed"
