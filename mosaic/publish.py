@@ -71,15 +71,17 @@ class PublishResult:
         }
 
 
-def upload_plan(folder: str | Path) -> tuple[list[UploadItem], str]:
-    """What publish uploads (every manifest entry and the manifest itself) and its commit message."""
+def upload_plan(folder: str | Path, recipe_only: bool = False) -> tuple[list[UploadItem], str]:
+    """What publish uploads (every manifest entry and the manifest itself, or with ``recipe_only`` all
+    but the shards) and its commit message."""
     root = Path(folder)
     data = (root / MANIFEST_NAME).read_bytes()
     try:
         listed = parse_manifest(data, MANIFEST_NAME)
     except ValueError as e:
         raise PublishError(f"{root}: {e}") from None
-    items = [UploadItem(n, (root / n).stat().st_size, sha) for n, sha in sorted(listed.items())]
+    items = [UploadItem(n, (root / n).stat().st_size, sha) for n, sha in sorted(listed.items())
+             if not (recipe_only and n.endswith(".safetensors"))]
     items.append(UploadItem(MANIFEST_NAME, len(data), hashlib.sha256(data).hexdigest()))
     sig = root / SIGNATURE_NAME
     if sig.is_file() and not sig.is_symlink():
@@ -91,7 +93,8 @@ def upload_plan(folder: str | Path) -> tuple[list[UploadItem], str]:
         name, recipe_sha = str(prov["name"]), str(prov["recipe"]["sha256"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PublishError(f"{root / PROVENANCE_NAME}: cannot read name and recipe.sha256 ({e})") from None
-    return items, f"{name}: recipe sha256 {recipe_sha}, mosaic {__version__}"
+    kind = " (recipe only: rebuild the shards with `mosaic rebuild`)" if recipe_only else ""
+    return items, f"{name}: recipe sha256 {recipe_sha}, mosaic {__version__}{kind}"
 
 
 def compare_with_hub(root: Path, items: list[UploadItem], remote: dict[str, HubFile]) -> list[str]:
@@ -124,6 +127,7 @@ def publish(
     branch: str | None = None,
     private: bool = False,
     dry_run: bool = False,
+    recipe_only: bool = False,
     jobs: int | None = None,
     progress: Reporter = SILENT,
     show_hub_progress: bool = False,
@@ -156,7 +160,7 @@ def publish(
                 f"{root / SIGNATURE_NAME}: refusing to publish a signature that no longer matches the folder: {n}: {d}{more}; "
                 "sign again (mosaic sign --force) or remove it"
             )
-    items, message = upload_plan(root)
+    items, message = upload_plan(root, recipe_only=recipe_only)
     target = branch or "main"
     result = PublishResult(repo, target, message, items, dry_run)
     if dry_run:

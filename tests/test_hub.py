@@ -58,7 +58,7 @@ def hub_env(fake: FakeHub, home: Path) -> dict[str, str]:
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "HF_TOKEN": TOKEN,
         "HF_HUB_OFFLINE": "0",
-        "NO_PROXY": "127.0.0.1",
+        "NO_PROXY": "127.0.0.1,localhost",
     }
 
 

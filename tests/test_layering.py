@@ -39,8 +39,9 @@ ALLOWED: dict[str, set[str]] = {
     "plan": {"formats", "checkpoint", "recipe", "sources", "build"},
     "sign": {"audit", "records", "signature"},
     "publish": {"audit", "hub", "records", "signature"},
+    "rebuild": {"build", "hub", "recipe", "records"},
     "cli": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records", "build", "gguf", "audit",
-            "plan", "signature", "sign", "publish"},
+            "plan", "signature", "sign", "publish", "rebuild"},
     "testing": {"formats", "checkpoint"},
     "demo": {"cli", "testing", "recipe"},
 }
@@ -48,7 +49,7 @@ ALLOWED: dict[str, set[str]] = {
 #: Module-level rules finer than the wings: the audit re-converts the tokenizer with the vocabulary
 #: converter but never borrows the exporter, and the base floor stays below the formats.
 FORBIDDEN_MODULES = {
-    "audit": {"mosaic.gguf.export"},
+    "audit": {"mosaic.gguf.export", "mosaic.gguf.glm5_next", "mosaic.gguf.tensors", "mosaic.gguf.ranma_names"},
 }
 _BASE_ALLOWED = {"mosaic": set(), "errors": set(), "faults": set(), "literal": set(), "progress": {"literal"},
                  "hashing": {"faults"}}

@@ -60,6 +60,18 @@ def main() -> None:
     """Build mixed-precision mosaic checkpoints of quantized LLMs, byte for byte, and prove how."""
 
 
+def _census_folder(directory: Path) -> tuple[Path, Any]:
+    """A local folder as it is; ``org/name@<40-hex commit>`` from the cache, else its headers read by ranges."""
+    from mosaic.recipe import parse_hub_ref
+
+    ref = None if directory.exists() else parse_hub_ref(str(directory))
+    if ref is None:
+        return directory, None
+    from mosaic.sources import hub_folder
+
+    return hub_folder(*ref)
+
+
 @main.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
@@ -67,13 +79,18 @@ def main() -> None:
 def census(directory: Path, as_json: bool) -> None:
     """Inspect one checkpoint: tensors, shards, codebook, bits per layer and module, problems.
 
-    Exit 0 with no problems, 1 with problems, 2 when the checkpoint cannot be read.
+    DIRECTORY is a folder, or org/name@<40-hex commit>: from the local cache if it is there, else only
+    its configs and shard headers are read from the hub, by ranges (the bytes read are reported). Exit 0 with no problems, 1 with problems, 2 when the checkpoint cannot be read.
     """
     from mosaic.checkpoint.census import analyze, census_report
     from mosaic.checkpoint.folder import open_checkpoint
     from mosaic.cli.render import render_census
 
-    rep = census_report(analyze(open_checkpoint(directory)))
+    folder, snap = _census_folder(directory)
+    rep = census_report(analyze(open_checkpoint(folder, headers_only=snap is not None)))
+    if snap is not None:
+        rep["path"] = str(directory)
+        rep["hub_bytes_read"] = snap.reader.bytes_read
     if as_json:
         _emit_json(rep)
     else:
@@ -87,16 +104,22 @@ def census(directory: Path, as_json: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace an existing output folder, after the new build succeeded.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files processed at once (default: number of cores).")
 @click.option("--link", is_flag=True, help="Hard-link untouched shards instead of copying them (they then share the base's inode).")
+@click.option("--stream", is_flag=True,
+              help="Read repo sources missing from the local cache from the hub by byte ranges: only the bytes the mosaic takes.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @_guarded
-def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: bool, as_json: bool) -> None:
-    """Build the mosaic described by the YAML RECIPE, byte for byte, with PROVENANCE.json."""
+def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: bool, stream: bool, as_json: bool) -> None:
+    """Build the mosaic described by the YAML RECIPE, byte for byte, with PROVENANCE.json.
+
+    With --stream, a repo + revision source that is not in the local Hugging Face cache is not
+    downloaded whole: its headers and configs, then exactly the tensors the mosaic takes, are read by
+    HTTP ranges into a resumable cache ($HF_HOME/mosaic/ranges)."""
     from mosaic.build.run import build as run_build
     from mosaic.cli.render import render_build
     from mosaic.progress import reporter
 
     with reporter(False if as_json else None) as progress:
-        res = run_build(recipe, out=out, force=force, jobs=jobs, link=link, progress=progress)
+        res = run_build(recipe, out=out, force=force, jobs=jobs, link=link, stream=stream, progress=progress)
     doc = res.provenance
     summary = {
         "output": str(res.out_dir),
@@ -109,6 +132,7 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
         "shards": {name: method for name, method in res.splice.methods.items()},
         "checks": doc["checks"],
         "notes": res.notes,
+        "hub_bytes_read": res.streamed,
     }
     if as_json:
         _emit_json(summary)
@@ -347,10 +371,13 @@ def fetch(recipe: Path, local_dir: Path | None, jobs: int | None, as_json: bool)
 @click.option("--branch", default=None, help="Branch to commit to (default: main; created if missing).")
 @click.option("--private", is_flag=True, help="Create the repository as private (an existing one keeps its visibility).")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Audit and list what would be uploaded; no network at all.")
+@click.option("--recipe-only", "recipe_only", is_flag=True,
+              help="Upload all but the shards: users rebuild them from the sources with `mosaic rebuild`.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files audited at once (default: number of cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
-def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_run: bool, jobs: int | None, as_json: bool) -> None:
+def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_run: bool, recipe_only: bool,
+            jobs: int | None, as_json: bool) -> None:
     """Upload a mosaic folder to the hub in one commit, after `mosaic audit DIRECTORY` passes.
 
     The commit message names the recipe's SHA-256 and mosaic's version; afterwards the hub's digest
@@ -362,7 +389,7 @@ def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_r
 
     show = not as_json and sys.stderr.isatty()
     with reporter(False if as_json else None) as progress:
-        res = run_publish(directory, repo, branch=branch, private=private, dry_run=dry_run, jobs=jobs,
+        res = run_publish(directory, repo, branch=branch, private=private, dry_run=dry_run, recipe_only=recipe_only, jobs=jobs,
                           progress=progress, show_hub_progress=show)
     if as_json:
         _emit_json(res.as_dict())
@@ -372,6 +399,36 @@ def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_r
     render_publish(_console(), res)
     if not dry_run:
         click.echo(res.commit)
+
+
+@main.command()
+@click.argument("ref", metavar="ORG/NAME@COMMIT")
+@click.option("--source", "overrides", multiple=True, metavar="ID=PATH",
+              help="Read this source of the recipe from a local folder (repeatable); required for the recipe's path sources.")
+@click.option("--out", "out", type=click.Path(path_type=Path), help="Output folder (default: ./NAME).")
+@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files processed at once (default: number of cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+@_guarded
+def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | None, as_json: bool) -> None:
+    """Rebuild a published mosaic from its sources, byte for byte, instead of downloading its shards.
+
+    Reads the published repository's small files only (recipe, PROVENANCE.json, manifest, card,
+    configs), then builds the shards from the sources: --source folders, the local cache, or only the
+    needed byte ranges read from the hub. Every tensor is checked against PROVENANCE.json and every file
+    against the manifest; on any mismatch nothing is kept (exit 1).
+    """
+    from mosaic.cli.render import render_rebuild
+    from mosaic.progress import reporter
+    from mosaic.rebuild import parse_source_override
+    from mosaic.rebuild import rebuild as run_rebuild
+
+    given = dict(parse_source_override(o) for o in overrides)
+    with reporter(False if as_json else None) as progress:
+        res = run_rebuild(ref, out=out, sources=given, jobs=jobs, progress=progress)
+    if as_json:
+        _emit_json(res.as_dict())
+    else:
+        render_rebuild(_console(), res)
 
 
 if __name__ == "__main__":
