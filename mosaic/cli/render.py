@@ -158,6 +158,7 @@ def render_audit(console: Console, doc: dict) -> None:
             for ch in m["checks"]:
                 for f in ch["failures"]:
                     console.print("FAIL " + ": ".join(lit(x) for x in (ch["name"], *_failure_parts(f), f["detail"])))
+            render_signature(console, m.get("signature"))
             continue
         t = Table(show_edge=False)
         t.add_column("check")
@@ -170,11 +171,28 @@ def render_audit(console: Console, doc: dict) -> None:
                 shown += f" (+{len(fails) - 3} more)"
             t.add_row(lit(ch["name"]), "[green]pass[/green]" if ch["ok"] else f"[red]FAIL ({len(fails)})[/red]", shown)
         console.print(t)
+        render_signature(console, m.get("signature"))
     n_fail = sum(1 for m in doc["mosaics"] if not m["ok"])
     if n_fail:
         console.print(f"[red bold]audit failed[/red bold]: {n_fail} of {len(doc['mosaics'])} mosaic(s) have problems")
     else:
         console.print(f"[green bold]audit passed[/green bold]: {len(doc['mosaics'])} mosaic(s), every check")
+
+
+def render_signature(console: Console, sig: dict | None) -> None:
+    """One line on the folder's signature; a signature nobody checked is never called verified."""
+    if sig is None:
+        return
+    state, name = sig["state"], lit(sig["file"])
+    if state == "verified":
+        console.print(f"signature: [green]verified[/green] {name} ({sig['files']} files) with {lit(sig['by'])}")
+    elif state == "unverified":
+        console.print(f"signature: [yellow]{name} present, NOT verified[/yellow] "
+                      "(give --key PUBLIC_KEY, or --identity and --issuer, to verify it)")
+    elif state == "failed":
+        console.print(f"signature: [red]{name} FAILED verification[/red] (see the signature check)")
+    else:
+        console.print("signature: none (the folder is not signed)")
 
 
 def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) -> None:
@@ -240,6 +258,12 @@ def render_publish(console: Console, res: PublishResult) -> None:
         console.print(f"  {f.size:>16,}  {lit(f.name)}")
     for n in res.deleted:
         console.print(f"  {'deleted':>16}  {lit(n)}")
+    if res.signature:
+        console.print(f"signed ({lit(res.signature)}): verify a download with `mosaic audit DIR --key PUBLIC_KEY` "
+                      "(or --identity/--issuer for a Sigstore signature), or with model_signing alone: "
+                      f"`model_signing verify key DIR --signature DIR/{lit(res.signature)} --public_key PUBLIC_KEY`")
+    else:
+        console.print("not signed: `mosaic sign DIRECTORY --key PRIVATE_KEY` before publishing adds model.sig")
     if not res.dry_run:
         console.print("hub digests of every uploaded file match sha256-manifest.txt")
 
