@@ -1,6 +1,6 @@
 """mosaic's benchmark suite: mosaic against the plain baselines on the same data, in one run, as ratios.
 
-    python bench/run.py [--cases census,bytes,metadata,memory,gguf] [--runs 3] [--size-gb 2] [--gguf-gb 2] [--no-write]
+    python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--no-write]
 
 Synthetic data is generated once and cached outside the repository (``$MOSAIC_BENCH_DIR``, default
 ``~/.cache/mosaic-bench``). Each case runs every contender ``--runs`` times, interleaved, and reports
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mosaic.testing import Geometry, glm_geometry, write_checkpoint  # noqa: E402
+from mosaic.testing import Geometry, glm53_geometry, write_checkpoint  # noqa: E402
 
 DATA = Path(os.environ.get("MOSAIC_BENCH_DIR", Path.home() / ".cache" / "mosaic-bench"))
 MOSAIC = [sys.executable, "-m", "mosaic.cli"]
@@ -159,9 +159,40 @@ def case_bytes(runs: int, size_gb: float) -> None:
     )
 
 
+def glm_sources() -> tuple[Path, Path]:
+    """The GLM preset: GLM-5.3-Flash as exllamav3 stores it (mosaic.testing.glm53_geometry) at its full
+    tensor count (150,547 text tensors + a vision tower), tiny widths; the 2-bit base and a 3-bit donor."""
+    return (dataset("glm53-base", glm53_geometry(seed=1, vision_blocks=24)),
+            dataset("glm53-donor", glm53_geometry(seed=2, bits=3, vision_blocks=24)))
+
+
+def case_export(runs: int) -> None:
+    """The second seed: the Spark mosaic of the GLM preset repackaged as glm5-next GGUF, and its audits."""
+    base, donor = glm_sources()
+    recipe = recipe_for(base, donor, '3, 32, 33, "36-44"', "glm-spark")
+    built, out = DATA / "out-glm-export-src", DATA / "out-glm-gguf"
+    drop(built)
+    t_build = timed(lambda: sh([*MOSAIC, "build", str(recipe), "--out", str(built)]))
+    t_audit = timed(lambda: sh([*MOSAIC, "audit", str(built), "--sources", str(recipe)]))
+    row("export: GLM preset (Spark mosaic)", "mosaic build", f"{t_build:.2f} s", "")
+    row("export: GLM preset (Spark mosaic)", "mosaic audit --sources", f"{t_audit:.2f} s", "")
+    race(
+        "export: GLM preset -> glm5-next GGUF",
+        {"mosaic export gguf": (lambda: sh([*MOSAIC, "export", "gguf", str(built), "--out", str(out)]), lambda: drop(out))},
+        runs,
+        "mosaic export gguf",
+    )
+    t_ga = timed(lambda: sh([*MOSAIC, "audit", str(out)]))
+    t_gs = timed(lambda: sh([*MOSAIC, "audit", str(out), "--sources", str(built)]))
+    n = len(json.loads((out / "manifest.json").read_text())["tensors"])
+    row("export: GLM preset -> glm5-next GGUF", "mosaic audit (export)", f"{t_ga:.2f} s", f"{n:,} GGUF tensors")
+    row("export: GLM preset -> glm5-next GGUF", "mosaic audit --sources (export)", f"{t_gs:.2f} s", "")
+    drop(out)
+    drop(built)
+
+
 def case_metadata(runs: int) -> None:
-    base = dataset("glm-base", glm_geometry(seed=1))
-    donor = dataset("glm-donor", glm_geometry(seed=2, bits=3))
+    base, donor = glm_sources()
     recipe = recipe_for(base, donor, '3, 32, 33, "36-44"', "glm-spark")
     out, cp_out = DATA / "out-glm", DATA / "out-glm-cp"
     contenders: dict[str, tuple[Callable[[], None], Callable[[], None] | None]] = {
@@ -187,7 +218,7 @@ def case_metadata(runs: int) -> None:
             lambda: drop(cp_out),
         )
         ref = name
-    built = race("metadata: GLM geometry build (150k tensors)", contenders, runs, ref)
+    built = race("metadata: GLM preset build (150k tensors)", contenders, runs, ref)
     drop(cp_out)
     audited = race(
         "metadata: GLM geometry audit",
@@ -206,7 +237,7 @@ def case_metadata(runs: int) -> None:
 
 
 def case_census(runs: int) -> None:
-    base = dataset("glm-base", glm_geometry(seed=1))
+    base, _ = glm_sources()
     from mosaic.checkpoint.folder import open_checkpoint
 
     n = len(open_checkpoint(base).tensor_file)
@@ -226,8 +257,7 @@ def case_memory(small_gb: float, large_gb: float) -> None:
         size = sum(p.stat().st_size for p in base.iterdir()) / 1e9
         row(*(f"memory: {label} ({size:.1f} GB base)", "peak RSS build / audit", f"{b:.0f} / {a:.0f} MiB", ""))
         drop(out)
-    glm_base = dataset("glm-base", glm_geometry(seed=1))
-    glm_donor = dataset("glm-donor", glm_geometry(seed=2, bits=3))
+    glm_base, glm_donor = glm_sources()
     recipe = recipe_for(glm_base, glm_donor, '3, 32, 33, "36-44"', "glm-spark")
     out = DATA / "out-mem-glm"
     drop(out)
@@ -235,6 +265,56 @@ def case_memory(small_gb: float, large_gb: float) -> None:
     a = peak_rss_mib([*MOSAIC, "audit", str(out)])
     row(*("memory: GLM geometry (150k tensors)", "peak RSS build / audit", f"{b:.0f} / {a:.0f} MiB", "target < 400"))
     drop(out)
+
+
+def case_stream(runs: int, size_gb: float) -> None:
+    """A streamed build (ranges of the donor's selected tensors, the base's bytes) against downloading
+    both sources whole and building from the cache, through a local hub look-alike that counts bytes."""
+    from tests.fakehub import FakeHub
+
+    base = dataset(f"bytes-{size_gb}g-base", bytes_geometry(size_gb, 2, 1))
+    donor = dataset(f"bytes-{size_gb}g-donor", bytes_geometry(size_gb, 3, 2))
+    home = DATA / "stream-hf"
+    out = DATA / "stream-out"
+    with FakeHub() as hub:
+        hub.redirect_lfs = True
+        shas = {}
+        for repo, folder in (("bench/base", base), ("bench/donor", donor)):
+            shas[repo] = hub.commit(repo, {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()})
+        recipe = DATA / f"stream-{size_gb}g.yaml"
+        recipe.write_text(
+            f"name: stream\nbase:\n  repo: bench/base\n  revision: {shas['bench/base']}\n"
+            f"donors:\n  q3:\n    repo: bench/donor\n    revision: {shas['bench/donor']}\n"
+            "replace:\n  - from: q3\n    layers: [2, 5, 9]\n    modules: [mlp.experts]\n"
+        )
+        env = {**COLD, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+               "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "hf_bench", "NO_PROXY": "127.0.0.1,localhost"}
+        moved: dict[str, int] = {}
+
+        def fresh() -> None:
+            drop(home)
+            drop(out)
+            hub.served.clear()
+
+        def download_then_build() -> None:
+            sh([*MOSAIC, "fetch", str(recipe)], env=env)
+            sh([*MOSAIC, "build", str(recipe), "--out", str(out)], env=env)
+            moved["download then build"] = sum(hub.served.values())
+
+        def streamed() -> None:
+            sh([*MOSAIC, "build", str(recipe), "--stream", "--out", str(out)], env=env)
+            moved["mosaic build --stream"] = sum(hub.served.values())
+
+        race(f"stream: {size_gb} GB pair via a local hub", {
+            "download then build": (download_then_build, fresh),
+            "mosaic build --stream": (streamed, fresh),
+        }, runs, "download then build")
+        whole = moved["download then build"]
+        for name, n in moved.items():
+            row(f"stream: {size_gb} GB pair via a local hub", f"{name}: bytes from the hub", f"{n / 1e9:.3f} GB",
+                f"{n / whole:.2f} × download")
+        drop(home)
+        drop(out)
 
 
 def gguf_dataset(name: str, qtype: str, size_gb: float) -> Path:
@@ -339,7 +419,8 @@ def machine() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="census,bytes,metadata,memory,gguf")
+    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream,gguf")
+    ap.add_argument("--stream-gb", type=float, default=0.5, help="model size of the stream case (held in memory by the local hub)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--memory-gb", default="1,8", help="two base sizes for the memory case")
@@ -355,9 +436,13 @@ def main() -> int:
         case_bytes(args.runs, args.size_gb)
     if "metadata" in cases:
         case_metadata(args.runs)
+    if "export" in cases:
+        case_export(args.runs)
     if "memory" in cases:
         small, large = (float(x) for x in args.memory_gb.split(","))
         case_memory(small, large)
+    if "stream" in cases:
+        case_stream(args.runs, args.stream_gb)
     if "gguf" in cases:
         case_gguf(args.runs, args.gguf_gb)
     lines = [f"machine: {machine()}", f"runs per contender: {args.runs} (medians)", "", "| case | contender | median | ratio |", "|---|---|---|---|"]

@@ -104,8 +104,10 @@ def render_block(doc: dict) -> str:
             lines.append(f"| {ranges(layers)} | " + " | ".join(cells) + " |")
     lines += ["", "## Rate, three ways", ""]
     lines.append(
-        f"- **Exact**: Σ bits × weights / Σ weights over the decoder's EXL3 linears, read from the headers: "
-        f"**{_fmt_rate(rate['exact'])} bpw** (= {rate['exact_fraction']})."
+        f"- **Exact**: Σ bits × weights / Σ weights over the EXL3 linears of the decoder layers (0 to "
+        f"num_hidden_layers − 1: attention, indexer, dense MLP, shared and routed experts), read from the headers: "
+        f"**{_fmt_rate(rate['exact'])} bpw** (= {rate['exact_fraction']}). Multi-token-prediction layers, the vision "
+        f"tower and the head are not part of it; their rates stand on their own below."
     )
     lines.append(
         f"- **By bytes**: base rate × mosaic size / base size = {_fmt_rate(rate['base'])} × "
@@ -115,11 +117,35 @@ def render_block(doc: dict) -> str:
         f"- **By layer mass**: each decoder layer at the rate of the source that supplies most of its "
         f"weights, averaged over layers: {_fmt_rate(rate['by_layer_mass'])} bpw."
     )
+    outside = rate.get("outside") or {}
+    titles = {"mtp": "Multi-token-prediction layers", "vision": "Vision tower", "head": "Head (`lm_head`)",
+              "other": "Other EXL3 linears"}
+    if outside:
+        lines += ["", "Not in the exact rate:", ""]
+        lines += [f"- {titles.get(k, k)}: {_fmt_rate(v)} bpw" for k, v in outside.items()]
     lines += ["", "## Sources", ""]
     for sid, s in srcs.items():
         total = sum(f["size"] for f in s["files"])
         lines.append(f"- `{sid}`: {_source_label(s)}; {len(s['files'])} files used, {total:,} bytes (digests in PROVENANCE.json)")
+        partial = [f["name"] for f in s["files"] if f.get("sha256_verified") is False]
+        if partial:
+            lines.append(
+                f"  - read from the hub by byte ranges: {len(partial)} file(s) only in part, so their whole-file SHA-256 "
+                "is the hub's claim, not checked by the build; every tensor taken from them has its own SHA-256 of the "
+                "bytes read (`mosaic audit . --sources` compares them again)"
+            )
     lines += [
+        "",
+        "## Rebuild it instead of downloading it",
+        "",
+        "Every tensor of this mosaic is a byte range of one of its sources, and PROVENANCE.json names each one's "
+        "source and SHA-256. mosaic rebuilds this folder byte for byte from the sources — folders you already have, "
+        "the local Hugging Face cache, or only the needed byte ranges read from the hub — checking every tensor "
+        "against PROVENANCE.json and every file against the manifest:",
+        "",
+        "```bash",
+        "mosaic rebuild <this repo>@<commit>              # add --source ID=PATH for each source you have locally",
+        "```",
         "",
         "## Verify",
         "",

@@ -140,6 +140,14 @@ class Recipe:
         return out if out.is_absolute() else (cwd or Path.cwd()) / out
 
 
+def parse_hub_ref(text: str) -> tuple[str, str] | None:
+    """``org/name@<40-hex commit>`` as (repo, revision); None for anything else (a folder, say)."""
+    repo, sep, rev = text.partition("@")
+    if sep and _REPO_RE.match(repo) and _REV_RE.match(rev):
+        return repo, rev
+    return None
+
+
 #: The most a recipe may grow to once its aliases are expanded (nodes plus scalar characters); a
 #: recipe without aliases stays below its own size. Bounds memory and time against alias bombs
 #: ("billion laughs") and self-referencing anchors before anything is constructed or printed.

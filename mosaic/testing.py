@@ -32,6 +32,7 @@ _ARCHS = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "llama": ("LlamaForCausalLM", "llama"),
     "glm": ("Glm4MoeForCausalLM", "glm4_moe"),
+    "glm5_next": ("Glm5NextForConditionalGeneration", "glm5_next"),
 }
 
 
@@ -64,6 +65,19 @@ class Geometry:
     style: str = "exl3"
     seed: int = 0
     extra_files: bool = True
+    # GLM-5.3-Flash (arch "glm5_next") only: attention heads (KDA and MLA share one count, as in the model),
+    # KDA head dim, MLA ranks and head dims, DSA indexer, conv kernel, the MTP and vision quantization rates
+    heads: int = 2
+    head_dim: int = 128
+    q_lora: int = 128
+    kv_lora: int = 128
+    index_heads: int = 2
+    index_dim: int = 128
+    kpool: int = 4
+    conv_kernel: int = 4
+    mla_every: int = 4  # layers i with i % mla_every == mla_every - 1 are MLA + DSA, the others KDA
+    mtp_bits: float = 4
+    vision_bits: float = 4
 
     def with_(self, **kw: object) -> Geometry:
         return replace(self, **kw)  # type: ignore[arg-type]
@@ -89,7 +103,9 @@ def every_group_geometry(**kw: object) -> Geometry:
 
 
 def glm_geometry(**kw: object) -> Geometry:
-    """GLM-5.3-Flash's layout at tiny dimensions: 45 layers + MTP layer 45, 288 experts, 12 shards."""
+    """A simplified GLM-like MoE (``Glm4MoeForCausalLM``, plain q/k/v/o attention) with GLM-5.3-Flash's layer
+    and expert counts: 45 layers + MTP layer 45, 288 experts. Kept for tests of generic behaviour; the real
+    GLM-5.3-Flash layout is :func:`glm53_geometry`."""
     base: dict[str, object] = dict(
         arch="glm",
         layers=45,
@@ -109,6 +125,48 @@ def glm_geometry(**kw: object) -> Geometry:
     )
     base.update(kw)
     return Geometry(**base)  # type: ignore[arg-type]
+
+
+def glm53_geometry(**kw: object) -> Geometry:
+    """GLM-5.3-Flash as exllamav3 stores it (``Glm5NextForConditionalGeneration``), at tiny dimensions.
+
+    Every tensor kind of the real checkpoint is here (see shared/reference/glm53-spark.md and
+    docs/glm53.md): 45 trunk layers, 34 of them KDA linear attention (fused EXL3 ``qkv_proj``, fused
+    ``conv1d``, F16 gate projections, ``A_log``, ``dt_bias``, ``o_norm``) and 11 MLA + DSA (layers 3, 7, ...,
+    43: EXL3 ``q_a/q_b/kv_a/o_proj``, F16 unquantized ``kv_b_proj``, an indexer with EXL3 ``wq_b`` and F16
+    ``wk``/``weights_proj``/k-pool tensors); mHC tensors on every trunk layer; 3 dense layers then MoE with
+    288 experts; the MTP layer 45 (MLA + DSA, MoE, ``eh_proj`` at ``mtp_bits``); a vision tower at
+    ``vision_bits``; the text config nested under ``text_config``. The tensor count equals the real
+    model's text part (150,547); only the widths are small (every EXL3 dimension a multiple of 128).
+    """
+    base: dict[str, object] = dict(
+        arch="glm5_next",
+        layers=45,
+        dense_layers=3,
+        mtp_layers=1,
+        experts=288,
+        hidden=128,
+        intermediate=256,
+        expert_intermediate=128,
+        vocab=1024,
+        bits=2,
+        head_bits=5,
+        prefix="model.language_model.layers",
+        vision_blocks=2,
+        shard_size=16 << 20,
+    )
+    base.update(kw)
+    return Geometry(**base)  # type: ignore[arg-type]
+
+
+def is_mla_layer(g: Geometry, layer: int) -> bool:
+    """GLM-5.3's ``layer_types``: MLA + DSA every ``mla_every``-th layer (3, 7, ..., 43), KDA elsewhere; the
+    MTP layer is MLA + DSA."""
+    return layer >= g.layers or layer % g.mla_every == g.mla_every - 1
+
+
+def layer_types(g: Geometry) -> list[str]:
+    return ["deepseek_sparse_attention" if is_mla_layer(g, i) else "linear_attention" for i in range(g.layers)]
 
 
 @dataclass(frozen=True)
@@ -138,8 +196,108 @@ def _root(g: Geometry) -> str:
     return g.prefix[: -len(".layers")] if g.prefix.endswith(".layers") else "model"
 
 
+def _glm5_next_units(g: Geometry) -> Iterator[list[_Tensor]]:
+    """GLM-5.3-Flash's tensors in model order (see :func:`glm53_geometry`); names, dtypes and shapes as
+    exllamav3 writes them."""
+    h, cb = g.hidden, g.codebook
+    heads, dk = g.heads, g.head_dim
+    di = heads * dk
+    km = vm = dk  # MLA qk_nope_head_dim / v_head_dim (rope dim 0)
+    hc_mix = (2 + 4) * 4  # hc_mult 4
+
+    def bits(group: str, layer: int | None = None) -> float:
+        if layer is not None and layer >= g.layers:
+            return g.mtp_bits
+        return g.group_bits.get(group, g.bits)
+
+    def book(group: str) -> str:
+        return g.group_codebooks.get(group, cb)
+
+    yield [_Tensor("model.language_model.embed_tokens.weight", "BF16", (g.vocab, h))]
+    for layer in range(g.layers + g.mtp_layers):
+        p = f"{g.prefix}.{layer}"
+        a = f"{p}.self_attn"
+        ab, ac = bits("attention", layer), book("attention")
+        ts = [_Tensor(f"{p}.input_layernorm.weight", "BF16", (h,))]
+        if layer < g.layers:
+            for site in ("attn", "ffn"):
+                ts += [_Tensor(f"{p}.hc_{site}_fn", "F32", (hc_mix, 4 * h)), _Tensor(f"{p}.hc_{site}_base", "F32", (hc_mix,)),
+                       _Tensor(f"{p}.hc_{site}_scale", "F32", (3,))]
+        if not is_mla_layer(g, layer):
+            ts += _linear(f"{a}.qkv_proj", h, 3 * di, ab, ac)
+            ts.append(_Tensor(f"{a}.conv1d.weight", "BF16", (3 * di, 1, g.conv_kernel)))
+            ts += [_Tensor(f"{a}.f_a_proj.weight", "F16", (dk, h)), _Tensor(f"{a}.f_b_proj.weight", "F16", (di, dk)),
+                   _Tensor(f"{a}.g_a_proj.weight", "F16", (dk, h)), _Tensor(f"{a}.g_b_proj.weight", "F16", (di, dk)),
+                   _Tensor(f"{a}.b_proj.weight", "F16", (heads, h)), _Tensor(f"{a}.dt_bias", "BF16", (di,)),
+                   _Tensor(f"{a}.A_log", "F32", (heads,)), _Tensor(f"{a}.o_norm.weight", "BF16", (dk,))]
+            ts += _linear(f"{a}.o_proj", di, h, ab, ac)
+        else:
+            ts += _linear(f"{a}.q_a_proj", h, g.q_lora, ab, ac)
+            ts.append(_Tensor(f"{a}.q_a_layernorm.weight", "BF16", (g.q_lora,)))
+            ts += _linear(f"{a}.q_b_proj", g.q_lora, heads * km, ab, ac)
+            ts += _linear(f"{a}.kv_a_proj_with_mqa", h, g.kv_lora, ab, ac)
+            ts.append(_Tensor(f"{a}.kv_a_layernorm.weight", "BF16", (g.kv_lora,)))
+            ts.append(_Tensor(f"{a}.kv_b_proj.weight", "F16", (heads * (km + vm), g.kv_lora)))
+            ts += _linear(f"{a}.o_proj", heads * vm, h, ab, ac)
+            ix = f"{a}.indexer"
+            ts += _linear(f"{ix}.wq_b", g.q_lora, g.index_heads * g.index_dim, ab, ac)
+            ts += [_Tensor(f"{ix}.wk.weight", "F16", (g.index_dim, h)),
+                   _Tensor(f"{ix}.k_norm.weight", "F16", (g.index_dim,)), _Tensor(f"{ix}.k_norm.bias", "F16", (g.index_dim,)),
+                   _Tensor(f"{ix}.weights_proj.weight", "F16", (g.index_heads, h)),
+                   _Tensor(f"{ix}.index_kpool_compress_ape", "F32", (g.kpool, g.index_dim)),
+                   _Tensor(f"{ix}.index_kpool_compress_gate", "F16", (g.index_dim, h))]
+        ts.append(_Tensor(f"{p}.post_attention_layernorm.weight", "BF16", (h,)))
+        if layer < g.dense_layers:
+            mb, mc = bits("dense_mlp", layer), book("dense_mlp")
+            ts += _linear(f"{p}.mlp.gate_proj", h, g.intermediate, mb, mc)
+            ts += _linear(f"{p}.mlp.up_proj", h, g.intermediate, mb, mc)
+            ts += _linear(f"{p}.mlp.down_proj", g.intermediate, h, mb, mc)
+        else:
+            ts += [_Tensor(f"{p}.mlp.gate.weight", "F16", (g.experts, h)),
+                   _Tensor(f"{p}.mlp.gate.e_score_correction_bias", "F32", (g.experts,))]
+            sb, sc = bits("shared_experts", layer), book("shared_experts")
+            ei = g.expert_intermediate
+            ts += _linear(f"{p}.mlp.shared_experts.gate_proj", h, ei, sb, sc)
+            ts += _linear(f"{p}.mlp.shared_experts.up_proj", h, ei, sb, sc)
+            ts += _linear(f"{p}.mlp.shared_experts.down_proj", ei, h, sb, sc)
+            lb = g.mtp_bits if layer >= g.layers else g.layer_bits.get(layer, bits("routed_experts"))
+            ec = book("routed_experts")
+            for e in range(g.experts):
+                eb = g.expert_bits.get((layer, e), lb)
+                ts += _linear(f"{p}.mlp.experts.{e}.gate_proj", h, ei, eb, ec)
+                ts += _linear(f"{p}.mlp.experts.{e}.up_proj", h, ei, eb, ec)
+                ts += _linear(f"{p}.mlp.experts.{e}.down_proj", ei, h, eb, ec)
+        if layer >= g.layers:
+            ts += _linear(f"{p}.eh_proj", 2 * h, h, g.mtp_bits, cb)
+            ts += [_Tensor(f"{p}.enorm.weight", "BF16", (h,)), _Tensor(f"{p}.hnorm.weight", "BF16", (h,)),
+                   _Tensor(f"{p}.shared_head.norm.weight", "BF16", (h,))]
+        yield ts
+    yield [_Tensor("model.language_model.norm.weight", "BF16", (h,)), *_linear("lm_head", h, g.vocab, g.head_bits, cb)]
+    # The vision tower: its exact tensor list is not established from the sources (docs/glm53.md); this is a
+    # ViT of the usual shape, quantized at vision_bits, so that selection, loadability and export treat it.
+    vb = g.vision_bits
+    for b in range(g.vision_blocks):
+        q = f"model.visual.blocks.{b}"
+        yield [
+            _Tensor(f"{q}.norm1.weight", "BF16", (h,)),
+            *_linear(f"{q}.attn.qkv", h, 3 * h, vb, cb),
+            *_linear(f"{q}.attn.proj", h, h, vb, cb),
+            _Tensor(f"{q}.norm2.weight", "BF16", (h,)),
+            *_linear(f"{q}.mlp.gate_proj", h, g.intermediate, vb, cb),
+            *_linear(f"{q}.mlp.up_proj", h, g.intermediate, vb, cb),
+            *_linear(f"{q}.mlp.down_proj", g.intermediate, h, vb, cb),
+        ]
+    if g.vision_blocks:
+        yield [_Tensor("model.visual.patch_embed.proj.weight", "BF16", (h, 3, 2, 14, 14)),
+               _Tensor("model.visual.post_layernorm.weight", "BF16", (h,)),
+               *_linear("model.visual.merger.proj", h, h, vb, cb)]
+
+
 def _units(g: Geometry) -> Iterator[list[_Tensor]]:
     """Top-level units in model order: embeddings, each layer, final norm + head, vision tower."""
+    if g.arch == "glm5_next":
+        yield from _glm5_next_units(g)
+        return
     h, cb = g.hidden, g.codebook
     root = _root(g)
 
@@ -225,6 +383,8 @@ class _Bytes:
     def draw(self, t: _Tensor) -> bytes:
         if t.marker is not None:
             return struct.pack("<I", t.marker)
+        if t.name.endswith(".A_log"):  # a decay rate's log: small floats, as a trained model has
+            return self.rng.uniform(-1.0, 3.0, t.nbytes // 4).astype("<f4").tobytes()
         return self.rng.bytes(t.nbytes)
 
 
@@ -313,10 +473,14 @@ def tokenizer_files(g: Geometry) -> tuple[dict, dict]:
     regex, string merges and a BOS template; the others Qwen2/Qwen3's regex, NFC, pair merges and
     ``<think>`` as a non-special added token. Every id is below ``g.vocab`` (config.json pads to it)."""
     llama = g.arch == "llama"
+    glm = g.arch == "glm5_next"
     vocab = {c: i for i, c in enumerate(byte_level_alphabet())}
     for a, b in TOY_MERGES:
         vocab.setdefault(a + b, len(vocab))
-    if llama:
+    if glm:
+        names = [("<|endoftext|>", True), ("[MASK]", True), ("[gMASK]", True), ("<sop>", True), ("<eop>", True),
+                 ("<|system|>", True), ("<|user|>", True), ("<|assistant|>", True), ("<|observation|>", True)]
+    elif llama:
         names = [("<|begin_of_text|>", True), ("<|end_of_text|>", True), ("<|start_header_id|>", True),
                  ("<|end_header_id|>", True), ("<|eot_id|>", True)]
     else:
@@ -326,7 +490,7 @@ def tokenizer_files(g: Geometry) -> tuple[dict, dict]:
               "normalized": False, "special": sp} for i, (c, sp) in enumerate(names)]
     if added[-1]["id"] >= g.vocab:
         raise ValueError(f"vocab {g.vocab} is too small for the toy tokenizer ({added[-1]['id'] + 1} tokens)")
-    split = {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX if llama else QWEN2_REGEX},
+    split = {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX if llama or glm else QWEN2_REGEX},
              "behavior": "Isolated", "invert": False}
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": llama, "use_regex": False}
     tok: dict[str, object] = {
@@ -334,7 +498,7 @@ def tokenizer_files(g: Geometry) -> tuple[dict, dict]:
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": None if llama else {"type": "NFC"},
+        "normalizer": None if llama or glm else {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
         "post_processor": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
@@ -358,12 +522,59 @@ def tokenizer_files(g: Geometry) -> tuple[dict, dict]:
                   "eos_token": "<|eot_id|>", "model_max_length": 32768, "tokenizer_class": "PreTrainedTokenizerFast",
                   "chat_template": "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
                                    "\n\n{{ m.content }}<|eot_id|>{% endfor %}"}
+    elif glm:
+        config = {"added_tokens_decoder": decoder, "clean_up_tokenization_spaces": False, "do_lower_case": False,
+                  "eos_token": "<|endoftext|>", "model_max_length": 1048576, "pad_token": "<|endoftext|>",
+                  "padding_side": "left", "remove_space": False, "tokenizer_class": "PreTrainedTokenizerFast"}
     else:
         config = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": decoder, "bos_token": None,
                   "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
                   "model_max_length": 32768, "pad_token": "<|endoftext|>", "split_special_tokens": False,
                   "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
     return tok, config
+
+
+def glm5_next_text_config(g: Geometry) -> dict[str, object]:
+    """``text_config`` of GLM-5.3-Flash's config.json, with this geometry's widths (field names and the
+    real model's values are in shared/reference/glm53-spark.md)."""
+    return {
+        "model_type": "glm5_next_text",
+        "hidden_size": g.hidden,
+        "num_hidden_layers": g.layers,
+        "first_k_dense_replace": g.dense_layers,
+        "layer_types": layer_types(g),
+        "linear_attn_config": {"num_heads": g.heads, "head_dim": g.head_dim, "short_conv_kernel_size": g.conv_kernel,
+                               "gate_lower_bound": -5.0},
+        "num_attention_heads": g.heads,
+        "q_lora_rank": g.q_lora,
+        "kv_lora_rank": g.kv_lora,
+        "qk_nope_head_dim": g.head_dim,
+        "qk_rope_head_dim": 0,
+        "v_head_dim": g.head_dim,
+        "index_n_heads": g.index_heads,
+        "index_head_dim": g.index_dim,
+        "index_topk": 8 * g.kpool,
+        "index_kpool": g.kpool,
+        "index_kpool_always_select_tail": True,
+        "indexer_types": ["full"] * g.layers,
+        "mla_use_nope": True,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "n_routed_experts": g.experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": min(8, g.experts),
+        "moe_intermediate_size": g.expert_intermediate,
+        "intermediate_size": g.intermediate,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "vocab_size": g.vocab,
+        "num_nextn_predict_layers": g.mtp_layers,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 1048576,
+    }
 
 
 def write_checkpoint(out: str | Path, g: Geometry) -> Path:
@@ -413,9 +624,15 @@ def write_checkpoint(out: str | Path, g: Geometry) -> Path:
                      "first_k_dense_replace": g.dense_layers, "n_shared_experts": int(g.shared_experts)})
     if g.mtp_layers:
         text["num_nextn_predict_layers"] = g.mtp_layers
+    if g.arch == "glm5_next":
+        text = glm5_next_text_config(g)
+        qcfg["mtp_bits"] = g.mtp_bits
+        qcfg["vision_bits"] = g.vision_bits
     config: dict[str, object] = {"architectures": [arch], "model_type": model_type, "torch_dtype": "bfloat16"}
     if g.prefix.startswith("model.language_model."):
         config["text_config"] = text
+        if g.arch == "glm5_next":
+            config["vision_config"] = {"model_type": "glm5_next_vision", "hidden_size": g.hidden, "depth": g.vision_blocks}
     else:
         config.update(text)
     config["quantization_config"] = qcfg

@@ -8,7 +8,11 @@ multipart LFS, pull requests, pagination (one page holds everything), authentica
 or none, is accepted; the Authorization headers seen are recorded so tests can check one was sent).
 
 Knobs for tests: ``corrupt[(repo, path)] = bytes`` serves other bytes than the hub's digests say;
-``tamper[(repo, path)] = sha256`` makes the tree listing claim another LFS digest.
+``tamper[(repo, path)] = sha256`` makes the tree listing claim another LFS digest;
+``redirect_lfs = True`` answers LFS downloads with a redirect to a storage URL, as the real hub does;
+``drop[(repo, path)] = n`` makes the next n data responses for that file close the connection halfway;
+``other_commit[repo] = sha`` names another commit in ``X-Repo-Commit``. ``served[(repo, path)]`` counts
+the file bytes sent (ranges included), and ``ranges`` lists every ``Range`` header received.
 """
 
 from __future__ import annotations
@@ -52,12 +56,20 @@ class FakeHub:
         self.corrupt: dict[tuple[str, str], bytes] = {}
         self.tamper: dict[tuple[str, str], str] = {}
         self.log: list[tuple[str, str]] = []
+        self.redirect_lfs = False
+        self.drop: dict[tuple[str, str], int] = {}
+        self.other_commit: dict[str, str] = {}
+        self.served: dict[tuple[str, str], int] = {}
+        self.ranges: list[tuple[str, str, str]] = []
         self.auth: list[str] = []
         self.lock = threading.Lock()
         self._n = 0
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        #: LFS storage answers on another host name of the same loopback server, as the hub's storage is
+        #: another host: huggingface_hub follows redirects within the hub only, and keeps its token there
+        self.storage = f"http://localhost:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     def __enter__(self) -> FakeHub:
@@ -111,6 +123,8 @@ _COMMIT = re.compile(r"^/api/models/([^/]+/[^/]+)/commit/([^/]+)$")
 _BRANCH = re.compile(r"^/api/models/([^/]+/[^/]+)/branch/([^/]+)$")
 _BATCH = re.compile(r"^/([^/]+/[^/]+)\.git/info/lfs/objects/batch$")
 _LFS_PUT = re.compile(r"^/lfs-upload/([0-9a-f]{64})$")
+_CDN = re.compile(r"^/lfs-cdn/([0-9a-f]{64})$")
+_RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 
 
 def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
@@ -217,12 +231,56 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     h["X-Linked-Size"] = str(len(data))
                 else:
                     h["ETag"] = f'"{e["oid"]}"'
-                body = hub.corrupt.get((m[1], m[3]), data)
-                rng = self.headers.get("Range", "")
-                if (r := re.match(r"bytes=(\d+)-$", rng)) and not head:
-                    return self._send(206, body[int(r[1]):], h)
-                return self._send(200, body, h, head=head)
+                if m[1] in hub.other_commit:
+                    h["X-Repo-Commit"] = hub.other_commit[m[1]]
+                if "lfs" in e and hub.redirect_lfs:
+                    loc = f"{hub.storage}/lfs-cdn/{e['lfs']['oid']}?repo={m[1]}&path={m[3]}"  # absolute, as the hub's storage URLs are
+                    return self._send(302, b"", {**h, "Location": loc, "X-Linked-Size": str(len(data))}, head=head)
+                return self._data(m[1], m[3], hub.corrupt.get((m[1], m[3]), data), h, head)
+            if m := _CDN.match(path):
+                repo_id, fpath = _query["repo"][0], _query["path"][0]
+                data = hub.lfs[m[1]]
+                return self._data(repo_id, fpath, hub.corrupt.get((repo_id, fpath), data),
+                                  {"Content-Type": "application/octet-stream", "ETag": f'"{m[1]}"'}, head)
             self._error(404, None, f"no such endpoint: GET {path}", head=head)
+
+        def _data(self, repo_id: str, fpath: str, body: bytes, h: dict[str, str], head: bool) -> None:
+            """A file's bytes, whole or the one range asked for, counted; maybe dropped halfway."""
+            rng = self.headers.get("Range", "")
+            code, start, end = 200, 0, len(body)
+            if rng and not head:
+                with hub.lock:
+                    hub.ranges.append((repo_id, fpath, rng))
+                r = _RANGE.match(rng)
+                if r is None or int(r[1]) >= len(body):
+                    return self._send(416, b"", {"Content-Range": f"bytes */{len(body)}"})
+                start, end = int(r[1]), min(len(body), int(r[2]) + 1 if r[2] else len(body))
+                code = 206
+                h = {**h, "Content-Range": f"bytes {start}-{end - 1}/{len(body)}"}
+            if head:
+                return self._send(code, body, h, head=True)
+            part = body[start:end]
+            with hub.lock:
+                drop = hub.drop.get((repo_id, fpath), 0)
+                if drop:
+                    hub.drop[(repo_id, fpath)] = drop - 1
+            if drop:
+                half = part[: len(part) // 2]
+                self.send_response(code)
+                for k, v in h.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(part)))
+                self.end_headers()
+                self.wfile.write(half)
+                self.wfile.flush()
+                with hub.lock:
+                    hub.served[(repo_id, fpath)] = hub.served.get((repo_id, fpath), 0) + len(half)
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return None
+            with hub.lock:
+                hub.served[(repo_id, fpath)] = hub.served.get((repo_id, fpath), 0) + len(part)
+            return self._send(code, part, h)
 
         # --- POST / PUT -----------------------------------------------------------------------------
         def do_POST(self) -> None:

@@ -45,6 +45,15 @@ def retile(trellis: bytes, shape: list[int]) -> bytes:
     return np.ascontiguousarray(t.transpose(1, 0, 2, 3)).tobytes()
 
 
+def widen(data: bytes, dtype: str) -> bytes:
+    """BF16 / F16 -> F32, the converter's one value change for norms and routers (exact)."""
+    if dtype == "BF16":
+        return (np.frombuffer(data, dtype="<u2").astype("<u4") << 16).tobytes()
+    if dtype == "F16":
+        return np.frombuffer(data, dtype="<f2").astype("<f4").tobytes()
+    return data
+
+
 def gguf_tensors(out: Path) -> dict[str, tuple[int, list[int], bytes, str]]:
     """name -> (type, ne, bytes, file), with our strict reader."""
     res = {}
@@ -117,19 +126,21 @@ def test_llama_every_tensor_is_its_relaid_source(llama_src, tmp_path, exl3_gguf_
     # names from llama.cpp's tables, checked here by hand rather than through gguf-py
     expect = {
         "token_embd.weight": ("model.embed_tokens.weight", "copy"),
-        "output_norm.weight": ("model.norm.weight", "copy"),
         "output.weight": ("lm_head.trellis", "exl3"),
         "output.rot_in": ("lm_head.suh", "copy"),
         "blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj.trellis", "exl3"),
         "blk.1.attn_output.rot_out": ("model.layers.1.self_attn.o_proj.svh", "copy"),
         "blk.1.ffn_down.weight": ("model.layers.1.mlp.down_proj.trellis", "exl3"),
-        "blk.0.attn_norm.weight": ("model.layers.0.input_layernorm.weight", "copy"),
-        "blk.0.ffn_norm.weight": ("model.layers.0.post_attention_layernorm.weight", "copy"),
+        "output_norm.weight": ("model.norm.weight", "f32"),
+        "blk.0.attn_norm.weight": ("model.layers.0.input_layernorm.weight", "f32"),
+        "blk.0.ffn_norm.weight": ("model.layers.0.post_attention_layernorm.weight", "f32"),
     }
     for name, (sname, how) in expect.items():
-        _dtype, shape, data = src[sname]
-        want = retile(data, shape) if how == "exl3" else data
+        dtype, shape, data = src[sname]
+        want = retile(data, shape) if how == "exl3" else widen(data, dtype) if how == "f32" else data
         assert got[name][2] == want, name
+    # norms are F32 as the fork's converter writes them (1-D, *_norm.weight), from BF16 sources
+    assert got["blk.0.attn_norm.weight"][0] == 0 and src["model.layers.0.input_layernorm.weight"][0] == "BF16"
     # 2-bit mul1 = 257, 6-bit mul1 head = 261; ne = [K, N]
     assert got["blk.0.attn_q.weight"][:2] == (257, [256, 256])
     assert got["blk.0.attn_k.weight"][:2] == (257, [256, 128])
@@ -138,7 +149,8 @@ def test_llama_every_tensor_is_its_relaid_source(llama_src, tmp_path, exl3_gguf_
     # every tensor against the sources its manifest entry names, re-laid here
     for t in manifest["tensors"]:
         parts = [src[s["tensor"]] for s in t["sources"]]
-        want = b"".join(retile(d, sh) if t["layout"] == "exl3-retile" else d for _, sh, d in parts)
+        want = b"".join(retile(d, sh) if t["layout"] == "exl3-retile" else widen(d, dt) if t["layout"] == "f32" else d
+                        for dt, sh, d in parts)
         assert got[t["name"]][2] == want, t["name"]
     # gguf-py agrees on names, types, shapes and bytes
     seen = 0
@@ -194,7 +206,9 @@ def test_qwen3moe_experts_stacked_in_expert_order(qwen_src, qwen_out, exl3_gguf_
             assert got[f"blk.{layer}.ffn_{gg}_exps.rot_in"][:2] == (1, [kt * 16, 4])
             assert got[f"blk.{layer}.ffn_{gg}_exps.rot_in"][2] == b"".join(src[k + ".suh"][2] for k in keys)
             assert got[f"blk.{layer}.ffn_{gg}_exps.rot_out"][2] == b"".join(src[k + ".svh"][2] for k in keys)
-        assert got[f"blk.{layer}.ffn_gate_inp.weight"][2] == src[f"model.layers.{layer}.mlp.gate.weight"][2]
+        # the router is F32, as the converter writes routers
+        dt, _, data = src[f"model.layers.{layer}.mlp.gate.weight"]
+        assert got[f"blk.{layer}.ffn_gate_inp.weight"][:3:2] == (0, widen(data, dt))
     # gguf-py reads every shard and sees the same stacks
     names = set()
     for f in sorted(qwen_out.glob("*.gguf")):

@@ -38,12 +38,15 @@ ALLOWED: dict[str, set[str]] = {
     "build": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records", "gguf_sources", "gguf_select",
               "gguf_card"},
     "gguf": {"formats", "checkpoint"},
-    "audit": {"formats", "checkpoint", "recipe", "sources", "card", "records", "gguf", "gguf_sources", "gguf_select",
-              "gguf_card"},
+    "signature": {"records"},
+    "audit": {"formats", "checkpoint", "recipe", "sources", "card", "records", "gguf", "signature", "gguf_sources",
+              "gguf_select", "gguf_card"},
     "plan": {"formats", "checkpoint", "recipe", "sources", "build", "gguf_sources", "gguf_select"},
-    "publish": {"audit", "hub", "records"},
+    "sign": {"audit", "records", "signature"},
+    "publish": {"audit", "hub", "records", "signature"},
+    "rebuild": {"build", "hub", "recipe", "records"},
     "cli": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records", "build", "gguf", "audit",
-            "plan", "publish", "gguf_sources", "gguf_select"},
+            "plan", "signature", "sign", "publish", "rebuild", "gguf_sources", "gguf_select"},
     "testing": {"formats", "checkpoint"},
     "testing_gguf": {"formats"},
     "demo": {"cli", "testing", "recipe"},
@@ -52,7 +55,7 @@ ALLOWED: dict[str, set[str]] = {
 #: Module-level rules finer than the wings: the audit re-converts the tokenizer with the vocabulary
 #: converter but never borrows the exporter, and the base floor stays below the formats.
 FORBIDDEN_MODULES = {
-    "audit": {"mosaic.gguf.export"},
+    "audit": {"mosaic.gguf.export", "mosaic.gguf.glm5_next", "mosaic.gguf.tensors", "mosaic.gguf.ranma_names"},
 }
 _BASE_ALLOWED = {"mosaic": set(), "errors": set(), "faults": set(), "literal": set(), "progress": {"literal"},
                  "hashing": {"faults"}}

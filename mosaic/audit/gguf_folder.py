@@ -103,6 +103,76 @@ def _split_checks(rep: AuditReport, files: dict[str, GGUFFile]) -> None:
             seen[t.name] = name
 
 
+#: The converter's rule for plain tensors, restated here (not imported from the exporter): 1-D tensors,
+#: ``*_norm.weight``, names not ending in ``.weight``, routers and convolutions are F32 in the file.
+def _must_be_f32(name: str, n_dims: int) -> bool:
+    leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+    return (n_dims <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight")
+            or leaf in ("ffn_gate_inp", "ffn_gate_inp_shexp") or leaf.startswith("ssm_conv1d"))
+
+
+def _widen(raw: np.ndarray, dtype: str) -> np.ndarray | None:
+    """BF16 / F16 / F32 values as float32 (BF16 is the top half of an F32)."""
+    if dtype == "BF16":
+        return (raw.view("<u2").astype("<u4") << 16).view("<f4")
+    if dtype == "F16":
+        return raw.view("<f2").astype("<f4")
+    if dtype == "F32":
+        return raw.view("<f4")
+    return None
+
+
+def _rebuild(entry: dict, s: dict, info, raw: np.ndarray, rep: AuditReport) -> bytes | None:
+    """One source's part of a GGUF tensor, made again from the whole source tensor with numpy."""
+    layout, part = entry["layout"], s.get("part") or {}
+    name, out = s["tensor"], entry["name"]
+    rows = part.get("rows")
+    if layout == "exl3-retile":
+        kt, nt, w = info.shape if len(info.shape) == 3 else (0, 0, 0)
+        if info.dtype != "I16" or not kt or nt % 8 or kt % 8:
+            rep.fail("sources", f"{name}: {info.dtype} {list(info.shape)} is not a re-tileable trellis", tensor=out)
+            return None
+        t = raw.view("<i2").reshape(kt, nt // 8, 8, w)
+        if rows is not None:
+            t = t[:, rows[0] // 128 : rows[1] // 128]
+        return np.ascontiguousarray(np.swapaxes(t, 0, 1)).tobytes()
+    if layout in ("mla-k-b", "mla-v-b"):
+        h, k, v = part.get("heads"), part.get("k"), part.get("v")
+        want = [k, info.shape[1], h] if layout == "mla-k-b" else [info.shape[1], v, h]
+        if len(info.shape) != 2 or not all(isinstance(x, int) for x in (h, k, v)) or info.shape[0] != h * (k + v) \
+                or entry["ne"] != want:
+            rep.fail("sources", f"{name}: {list(info.shape)} split as heads={h}, k={k}, v={v} does not give ne {entry['ne']}",
+                     tensor=out)
+            return None
+        size = 2 if info.dtype in ("F16", "BF16") else 4
+        t = raw.view(f"<u{size}").reshape(h, k + v, info.shape[1])
+        t = np.swapaxes(t[:, :k, :], 1, 2) if layout == "mla-k-b" else t[:, k:, :]
+        return np.ascontiguousarray(t).tobytes()
+    if rows is not None:
+        per_row = raw.size // (info.shape[0] if info.shape else 1)
+        raw = raw[rows[0] * per_row : rows[1] * per_row]
+    if layout == "copy":
+        if not out.endswith((".rot_in", ".rot_out")) and _TYPE_NAMES.get(entry["type"]) != info.dtype:
+            rep.fail("sources", f"type {entry['type']} but a byte copy of a {info.dtype} source", tensor=out)
+            return None
+        return raw.tobytes()
+    vals = _widen(raw, info.dtype)
+    if vals is None or entry["type"] != 0:
+        rep.fail("sources", f"{layout} of a {info.dtype} source into GGUF type {entry['type']} is not a value-preserving "
+                 "widening to F32", tensor=out)
+        return None
+    if layout == "f32":
+        return vals.astype("<f4").tobytes()
+    if layout == "neg-exp-f32":
+        if not name.endswith(".A_log") or not out.endswith(".ssm_a"):
+            rep.fail("sources", f"-exp() applies to a KDA A_log (as ssm_a) only, not {name} -> {out}", tensor=out)
+            return None
+        with np.errstate(over="ignore"):
+            return (-np.exp(vals.astype("<f8"))).astype("<f4").tobytes()
+    rep.fail("sources", f"unknown layout {layout!r}", tensor=out)
+    return None
+
+
 def _expected_digest(root: Path, entry: dict, ckpt, ckpt_digests: dict[str, str], rep: AuditReport) -> str | None:
     """Rebuild one GGUF tensor's bytes from its sources; the digest of what the GGUF should hold."""
     h = hashlib.sha256()
@@ -116,17 +186,25 @@ def _expected_digest(root: Path, entry: dict, ckpt, ckpt_digests: dict[str, str]
                      tensor=entry["name"])
         shard, a, b = ckpt.file_range(name)
         raw = np.fromfile(ckpt.root / shard, dtype=np.uint8, count=b - a, offset=a)
-        if entry["layout"] == "exl3-retile":
-            info = ckpt.tensor(name)
-            kt, nt, w = info.shape
-            if info.dtype != "I16" or nt % 8 or kt % 8:
-                rep.fail("sources", f"{name}: {info.dtype} {list(info.shape)} is not a re-tileable trellis", tensor=entry["name"])
-                return None
-            t = raw.view("<i2").reshape(kt, nt // 8, 8, w)
-            h.update(np.ascontiguousarray(np.swapaxes(t, 0, 1)).tobytes())
-        else:
-            h.update(raw.tobytes())
+        data = _rebuild(entry, s, ckpt.tensor(name), raw, rep)
+        if data is None:
+            return None
+        h.update(data)
     return h.hexdigest()
+
+
+def _dtype_rule(rep: AuditReport, parsed: dict[str, GGUFFile]) -> None:
+    """The tensors the converter writes as F32 are F32 (that the others keep their source's type is checked
+    with ``--sources``, where a ``copy`` must have its source's type)."""
+    for n, g in parsed.items():
+        for t in g.tensors:
+            if exl3_bits2(t.type_id) or t.name.endswith((".rot_in", ".rot_out")):
+                continue
+            if _must_be_f32(t.name, len(t.ne)) and t.type_id != 0:
+                rep.fail("tensors", f"type {t.type_id}; ranma.cpp's converter writes this tensor as F32 (0)", file=n, tensor=t.name)
+
+
+_TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64"}
 
 
 def audit_gguf(
@@ -194,6 +272,7 @@ def audit_gguf(
     total = 0
     for n, size, sha, tdig in parallel_map(one, present, jobs):
         total += size
+        rep.digests[n] = sha
         f = listed[n]
         if f.get("size") != size:
             rep.fail("manifest", f"size {size}, manifest.json says {f.get('size')}", file=n)
@@ -203,6 +282,7 @@ def audit_gguf(
     if parsed:
         _split_checks(rep, parsed)
         _tokenizer_checks(rep, parsed, doc)
+        _dtype_rule(rep, parsed)
 
     for n, g in parsed.items():
         entries = {t["name"]: t for t in tensors_by_file.get(n, [])}
@@ -318,6 +398,22 @@ def _tokenizer_sources(rep: AuditReport, doc: dict, src: Path, config: dict | No
             rep.fail("sources", f"{key} differs from a fresh conversion of the source tokenizer", file=name)
 
 
+def _accounted(rep: AuditReport, doc: dict, ckpt) -> None:
+    """Every source tensor is in the export or listed as left out, so none was dropped silently; the only
+    exception is a codebook marker (``.mul1``/``.mcg``) of an exported module, which lives in the type id."""
+    used = {s["tensor"] for t in doc["tensors"] for s in t.get("sources") or [] if isinstance(s, dict)}
+    omitted = {o.get("tensor") for o in doc.get("omitted") or [] if isinstance(o, dict)}
+    for name in sorted(omitted - set(ckpt.tensor_file)):
+        rep.fail("sources", "manifest.json lists it as left out, but the source has no such tensor", tensor=str(name))
+    for name in ckpt.tensor_names():
+        if name in used or name in omitted:
+            continue
+        key, _, suffix = name.rpartition(".")
+        if suffix in ("mul1", "mcg") and f"{key}.trellis" in used:
+            continue
+        rep.fail("sources", "source tensor neither exported nor listed as left out in manifest.json", tensor=name)
+
+
 def _audit_sources(rep: AuditReport, doc: dict, sources: bool | str | Path, digests: dict[str, str], jobs: int,
                    parsed: dict[str, GGUFFile]) -> None:
     if sources is True:
@@ -334,6 +430,7 @@ def _audit_sources(rep: AuditReport, doc: dict, sources: bool | str | Path, dige
         rep.fail("sources", f"cannot open the source checkpoint: {e}")
         return
     _tokenizer_sources(rep, doc, src, ckpt.config, parsed)
+    _accounted(rep, doc, ckpt)
     wanted: dict[str, list[str]] = {}
     for t in doc["tensors"]:
         for s in t["sources"]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from mosaic.audit.report import AuditReport, NotAMosaic, walk_folder
 from mosaic.card import extract_block, render_block
 from mosaic.checkpoint.census import analyze
-from mosaic.checkpoint.exl3 import parse_key
+from mosaic.checkpoint.exl3 import parse_key, part_rates
 from mosaic.checkpoint.folder import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -145,6 +145,7 @@ def audit_mosaic(
     tensor_digest: dict[str, str] = {}
     for name, size, sha, tds in parallel_map(one, files, jobs):
         actual[name] = (size, sha)
+        rep.digests[name] = sha
         for t, dg in tds.items():
             if where_tensor.get(t) == name:
                 tensor_digest[t] = dg
@@ -260,6 +261,14 @@ def audit_mosaic(
         exact = doc["rate"]["exact"] if doc is not None else None
         if rate is not None and exact is not None and abs(Fraction(exact) - rate) > Fraction(5, 10**7):
             rep.fail("provenance", f"rate.exact is {str(exact)[:40]}, the headers give {float(rate):.6f}", file=PROVENANCE_NAME)
+        if doc is not None and not analysis.ckpt.partial:
+            parts = {k: v for k, v in part_rates(analysis.modules.values(), analysis.num_hidden_layers).items() if k != "decoder"}
+            claimed = doc["rate"].get("outside") or {}
+            for part in sorted(set(parts) | set(claimed)):
+                have, want = claimed.get(part), parts.get(part)
+                if have is None or want is None or abs(Fraction(have) - want) > Fraction(5, 10**7):
+                    rep.fail("provenance", f"rate.outside.{part} is {have}, the headers give "
+                             f"{float(want) if want is not None else None}", file=PROVENANCE_NAME)
         size = doc.get("size") if doc is not None else None
         shards = size.get("shards") if isinstance(size, dict) else None
         if doc is not None and shards != sum(h.file_size for h in headers.values()):

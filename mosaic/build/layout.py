@@ -17,7 +17,7 @@ from pathlib import Path
 from mosaic.build import metadata
 from mosaic.build.selection import Selection
 from mosaic.checkpoint.census import Analysis
-from mosaic.checkpoint.exl3 import Module, exact_rate, is_decoder_linear
+from mosaic.checkpoint.exl3 import Module, exact_rate, is_decoder_linear, part_rates
 from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
 from mosaic.errors import SourceError
 from mosaic.formats.safetensors_writer import OutTensor, ShardLayout, layout_shard
@@ -70,6 +70,8 @@ class Rates:
     donors: dict[str, float | None]
     by_bytes: float | None
     by_layer_mass: float | None
+    #: MTP layers, vision tower, head: the EXL3 linears the exact rate leaves out, each on its own line
+    outside: dict[str, Fraction] = field(default_factory=dict)
 
 
 @dataclass
@@ -223,6 +225,7 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
         donors={sid: r for sid, r in src_rates.items() if sid != "base"},
         by_bytes=by_bytes,
         by_layer_mass=layer_mass_rate(result, selection, src_rates, n_layers),
+        outside={k: v for k, v in part_rates(result.values(), n_layers).items() if k != "decoder"},
     )
     used_sorted = {sid: sorted(v) for sid, v in used.items()}
     return BuildPlan(recipe, sources, selection, shards, carried, generated, rates, used_sorted)

@@ -56,13 +56,20 @@ def _rate(r: Fraction | float | None) -> float | None:
     return None if r is None else round(float(r), 6)
 
 
-def build_provenance(plan: BuildPlan, res: SpliceResult) -> dict:
-    """The PROVENANCE document of a finished splice (everything but itself and the manifest)."""
+def build_provenance(plan: BuildPlan, res: SpliceResult, unverified: dict[str, set[str]] | None = None) -> dict:
+    """The PROVENANCE document of a finished splice (everything but itself and the manifest).
+
+    ``unverified`` names, per source, the files read only in part from the hub: their whole-file
+    digest is the hub's claim, and the record says so."""
     recipe = plan.recipe
+    unverified = unverified or {}
     sources: dict[str, dict] = {}
     for sid, a in plan.sources.items():
         spec = recipe.base if sid == "base" else recipe.donors[sid]
-        files = [_file(res.sources[sid][n].record) for n in plan.used_files.get(sid, [])]
+        files = [
+            {**_file(res.sources[sid][n].record), **({"sha256_verified": False} if n in unverified.get(sid, ()) else {})}
+            for n in plan.used_files.get(sid, [])
+        ]
         sources[sid] = {**spec.as_record(), "rate": _rate(a.nominal_rate), "files": files}
         if sid == "base" and (lineage := card_base_model(a.ckpt.root)):
             sources[sid]["base_model"] = lineage
@@ -112,6 +119,7 @@ def build_provenance(plan: BuildPlan, res: SpliceResult) -> dict:
             "by_layer_mass": _rate(rates.by_layer_mass),
             "base": _rate(rates.base),
             "donors": {k: _rate(v) for k, v in rates.donors.items()},
+            **({"outside": {k: _rate(v) for k, v in sorted(rates.outside.items())}} if rates.outside else {}),
         },
         "files": [_file(r) for r in sorted(res.files.values(), key=lambda r: r.name)],
         "tensors": tensors,

@@ -16,7 +16,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mosaic.build.gguf_plan import GGUFPlan, plan_gguf
@@ -25,17 +25,19 @@ from mosaic.build.layout import BuildPlan, make_plan
 from mosaic.build.provenance import build_provenance, checked_dumps
 from mosaic.build.selection import donor_modules, pick, select
 from mosaic.build.splice import SpliceResult, splice
+from mosaic.build.stream import check_markers, read_plan_ranges
 from mosaic.card import render_card
 from mosaic.checkpoint.census import Analysis, analyze
 from mosaic.checkpoint.folder import open_checkpoint
-from mosaic.errors import OutputError, SourceError
+from mosaic.errors import OutputError, RecipeError, SourceError
 from mosaic.faults import point as fault_point
 from mosaic.gguf_sources import is_gguf_recipe
 from mosaic.hashing import sha256_bytes
+from mosaic.hub.partial import PartialSnapshot
 from mosaic.progress import SILENT, Reporter
 from mosaic.recipe import Recipe, load_recipe
 from mosaic.records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, FileRecord, manifest
-from mosaic.sources import resolve_source
+from mosaic.sources import CHECKPOINT_FILES, hub_folder, resolve_source
 
 PARTIAL_TAG = ".mosaic-partial-"
 #: Room kept free beyond the planned bytes (filesystem metadata, the provenance files).
@@ -48,6 +50,8 @@ class BuildResult:
     plan: BuildPlan | GGUFPlan
     provenance: dict
     splice: SpliceResult | GGUFWriteResult
+    #: bytes read from the hub by ranges, per streamed source (headers and configs included)
+    streamed: dict[str, int] = field(default_factory=dict)
 
     @property
     def notes(self) -> list[str]:
@@ -62,38 +66,56 @@ class BuildResult:
         ]
 
 
-def _census(sid: str, spec: object, folder: Path, modules: set[str] | None = None) -> Analysis:
-    a = analyze(open_checkpoint(folder, modules=modules))
+def _census(sid: str, spec: object, folder: Path, modules: set[str] | None = None, headers_only: bool = False) -> Analysis:
+    a = analyze(open_checkpoint(folder, modules=modules, headers_only=headers_only))
     if a.problems:
         more = f" (and {len(a.problems) - 1} more; run `mosaic census {folder}`)" if len(a.problems) > 1 else ""
         raise SourceError(f"source {sid!r} ({spec.describe()}): {a.problems[0]}{more}")  # type: ignore[attr-defined]
     return a
 
 
-def plan_build(recipe: Recipe) -> BuildPlan:
+def plan_build(recipe: Recipe, *, streamed: dict[str, PartialSnapshot] | None = None, stream: bool = False,
+               jobs: int = 8, progress: Reporter = SILENT) -> BuildPlan:
     """Census the base, apply the rules, census each donor for the modules it supplies, and plan.
 
-    A donor is opened only for the modules the recipe takes from it: its other shards and
-    quantization_config.json entries play no part in the mosaic."""
+    A donor is opened only for the modules it supplies: its other shards and quantization_config.json
+    entries play no part in the mosaic. With ``stream``, a hub source that is not in the local cache
+    is opened by ranges (headers and small files only) and recorded in ``streamed``."""
     used = {r.donor for r in recipe.rules}
     unused = [d for d in recipe.donors if d not in used]
     if unused:
         raise SourceError(f"{recipe.file}: donors: {', '.join(unused)} is used by no replace rule")
-    folders = {sid: resolve_source(spec, recipe.folder) for sid, spec in {"base": recipe.base, **recipe.donors}.items()}
-    base = _census("base", recipe.base, folders["base"])
+    folders: dict[str, Path] = {}
+    remote: set[str] = set()
+    for sid, spec in recipe.sources.items():
+        if stream and spec.repo is not None:
+            # the base's every file goes into the mosaic; a donor gives only tensors and its configs
+            folder, snap = hub_folder(spec.repo, spec.revision or "", small=None if sid == "base" else CHECKPOINT_FILES,
+                                      jobs=jobs, progress=progress)
+            if snap is not None:
+                remote.add(sid)
+                if streamed is not None:
+                    streamed[sid] = snap
+            folders[sid] = folder
+        else:
+            folders[sid] = resolve_source(spec, recipe.folder)
+    base = _census("base", recipe.base, folders["base"], headers_only="base" in remote)
     picks = pick(recipe, base)
     needs = donor_modules(recipe, picks)
-    donors = {did: _census(did, spec, folders[did], needs[did]) for did, spec in recipe.donors.items()}
+    donors = {did: _census(did, spec, folders[did], needs[did], headers_only=did in remote) for did, spec in recipe.donors.items()}
     selection = select(recipe, base, donors, picks)
     return make_plan(recipe, {"base": base, **donors}, selection)
 
 
-def _verified_digests(recipe: Recipe) -> dict[str, dict[str, str]]:
+def _verified_digests(recipe: Recipe, streamed: dict[str, PartialSnapshot]) -> dict[str, dict[str, str]]:
     """Digests of hub sources that ``mosaic fetch`` verified and that are unchanged since: those
-    files need not be hashed again (only the tensors taken from them are read)."""
+    files need not be hashed again (only the tensors taken from them are read). For a source read by
+    ranges, a file read in part has only the hub's claimed digest: its tensors are hashed as read."""
     out: dict[str, dict[str, str]] = {}
-    for sid, spec in {"base": recipe.base, **recipe.donors}.items():
-        if spec.repo is not None and spec.revision is not None:
+    for sid, spec in recipe.sources.items():
+        if sid in streamed:
+            out[sid] = streamed[sid].claimed_digests()
+        elif spec.repo is not None and spec.revision is not None:
             from mosaic.hub.snapshot import verified_digests
 
             d = verified_digests(spec.repo, spec.revision)
@@ -157,9 +179,9 @@ def _check_space(plan: BuildPlan | GGUFPlan, parent: Path, link: bool) -> None:
         raise OutputError(f"{parent}: {free:,} bytes free, the mosaic needs {need:,} (planned exactly, plus margin)")
 
 
-def _finish(plan: BuildPlan, res: SpliceResult, tmp: Path) -> dict:
+def _finish(plan: BuildPlan, res: SpliceResult, tmp: Path, unverified: dict[str, set[str]] | None = None) -> dict:
     """Write README.md, PROVENANCE.json and the manifest; returns the provenance document."""
-    doc = build_provenance(plan, res)
+    doc = build_provenance(plan, res, unverified=unverified)
     card = render_card(doc)
     (tmp / CARD_NAME).write_bytes(card)
     fault_point("card")
@@ -175,16 +197,19 @@ def _finish(plan: BuildPlan, res: SpliceResult, tmp: Path) -> dict:
 
 
 def build(
-    recipe_path: str | Path,
+    recipe_path: str | Path | Recipe,
     *,
     out: str | Path | None = None,
     force: bool = False,
     jobs: int | None = None,
     link: bool = False,
+    stream: bool = False,
     progress: Reporter = SILENT,
 ) -> BuildResult:
-    """Build the mosaic a recipe describes. Raises MosaicError (exit 2) or VerificationError (exit 1)."""
-    recipe = load_recipe(recipe_path)
+    """Build the mosaic a recipe (a file, or one already parsed) describes.
+
+    Raises MosaicError (exit 2) or VerificationError (exit 1)."""
+    recipe = recipe_path if isinstance(recipe_path, Recipe) else load_recipe(recipe_path)
     out_dir = Path(out).absolute() if out is not None else recipe.output_path()
     jobs = jobs or os.cpu_count() or 1
     if out_dir.exists() and not force:
@@ -202,7 +227,10 @@ def build(
 
     # A recipe whose base is a GGUF model builds a GGUF mosaic (mosaic.build.gguf_plan / gguf_write).
     gguf = is_gguf_recipe(recipe)
-    plan = plan_gguf(recipe) if gguf else plan_build(recipe)
+    if gguf and stream:
+        raise RecipeError(f"{recipe.file}: --stream reads EXL3 hub sources by ranges; fetch GGUF sources with `mosaic fetch`")
+    streamed: dict[str, PartialSnapshot] = {}
+    plan = plan_gguf(recipe) if gguf else plan_build(recipe, streamed=streamed, stream=stream, jobs=max(jobs, 8), progress=progress)
     fault_point("plan")
     roots = plan.source_roots if gguf else [a.ckpt.root for a in plan.sources.values()]
     sources_resolved = {str(r): r.resolve() for r in roots}
@@ -219,8 +247,11 @@ def build(
             if gguf:
                 res, doc = write_gguf(plan, tmp, jobs=jobs, progress=progress)
             else:
-                res = splice(plan, tmp, jobs=jobs, link=link, progress=progress, known=_verified_digests(recipe))
-                doc = _finish(plan, res, tmp)
+                if streamed:
+                    read_plan_ranges(plan, streamed, jobs=max(jobs, 8), progress=progress)
+                    check_markers(plan, streamed)
+                res = splice(plan, tmp, jobs=jobs, link=link, progress=progress, known=_verified_digests(recipe, streamed))
+                doc = _finish(plan, res, tmp, unverified={sid: set(s.unverified()) for sid, s in streamed.items()})
             _fsync_dir(tmp)
             fault_point("rename")
             if out_dir.exists():
@@ -238,7 +269,7 @@ def build(
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    return BuildResult(out_dir, plan, doc, res)
+    return BuildResult(out_dir, plan, doc, res, {sid: snap.reader.bytes_read for sid, snap in streamed.items()})
 
 
 def _fsync_dir(path: Path) -> None:

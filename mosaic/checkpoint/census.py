@@ -24,8 +24,16 @@ from mosaic.checkpoint.exl3 import (
     group_modules,
     marker_names,
     module_problems,
+    part_rates,
 )
-from mosaic.checkpoint.folder import Checkpoint, read_small_tensors
+from mosaic.checkpoint.folder import Checkpoint, read_small_tensors, text_config
+
+#: What the exact rate counts (census, PROVENANCE ``rate.exact``, the card and the README say the same).
+RATE_DEFINITION = (
+    "Σ bits × weights / Σ weights over the EXL3 linears of the decoder layers 0 .. num_hidden_layers-1 "
+    "(attention, indexer, dense MLP, shared and routed experts); the MTP layers, the vision tower and the head "
+    "are reported on their own lines and are not part of it"
+)
 
 TORCH_DTYPES = {
     "torch.bool": "BOOL",
@@ -150,9 +158,13 @@ def analyze(ckpt: Checkpoint) -> Analysis:
     """Interpret a checkpoint's tensors as EXL3 modules and collect every problem."""
     modules = group_modules(t for s in ckpt.shards for t in ckpt.headers[s].tensors)
     markers = [n for n in marker_names(modules) if ckpt.tensor(n).nbytes == 4]
-    raw = read_small_tensors(ckpt, markers)
+    # a checkpoint opened from its headers has no marker bytes: codebooks come from the marker names,
+    # and the values are checked where the bytes are read (a streamed build reads every one it uses)
+    raw = {} if ckpt.headers_only else read_small_tensors(ckpt, markers)
     assign_codebooks(modules, {n: int.from_bytes(b, "little") for n, b in raw.items()})
     a = Analysis(ckpt, modules, list(ckpt.problems))
+    if ckpt.headers_only and markers:
+        a.notes.append(f"opened from its headers: {len(markers):,} codebook marker values not read (codebooks from their names)")
     for m in modules.values():
         a.problems.extend(module_problems(m))
     a.problems.extend(expert_group_problems(modules.values()))
@@ -206,10 +218,14 @@ def census_report(a: Analysis) -> dict[str, object]:
             g["codebooks"].add(m.codebook)  # type: ignore[union-attr]
             g["modules"] += 1  # type: ignore[operator]
         rate = exact_rate(a.layer_modules(layer), None)
+        kinds = text_config(ck.config or {}).get("layer_types")
+        mtp = n_layers is not None and layer >= n_layers
+        kind = kinds[layer] if isinstance(kinds, list) and layer < len(kinds) and isinstance(kinds[layer], str) else None
         layers.append(
             {
                 "layer": layer,
-                "mtp": n_layers is not None and layer >= n_layers,
+                "mtp": mtp,
+                "kind": kind,
                 "rate": float(rate) if rate is not None else None,
                 "groups": {
                     k: {"bits": sorted(v["bits"]), "modules": v["modules"], "codebooks": sorted(v["codebooks"])}  # type: ignore[arg-type]
@@ -236,6 +252,9 @@ def census_report(a: Analysis) -> dict[str, object]:
             "exact": float(rate) if rate is not None else None,
             "exact_fraction": f"{rate.numerator}/{rate.denominator}" if rate is not None else None,
             "config": qc.get("bits") if isinstance(qc, dict) else None,
+            "definition": RATE_DEFINITION,
+            # the parts the exact rate leaves out, each on its own line
+            **{part: float(r) for part, r in sorted(part_rates(a.modules.values(), n_layers).items()) if part != "decoder"},
         },
         "problems": a.all_problems,
         "notes": a.notes,

@@ -29,8 +29,11 @@ _LAYER_RE = re.compile(r"^(?P<prefix>(?:[A-Za-z0-9_]+\.)*?)layers\.(?P<layer>\d+
 _EXPERT_RE = re.compile(r"^(?P<mlp>(?:mlp|block_sparse_moe|feed_forward)\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
 _VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.vision_model.", "vision_model.")
 
-#: The module groups the census reports bits for.
-GROUPS = ("routed_experts", "shared_experts", "attention", "dense_mlp", "head", "other")
+#: The module groups the census reports bits for. ``attention`` is a layer's token mixer, whichever its
+#: kind (softmax, MLA, or GLM-5.3's KDA linear attention); ``indexer`` is a DSA indexer (its own sub-module
+#: of MLA layers, ``self_attn.indexer.*``); ``mtp`` the multi-token-prediction layer's own projection
+#: (``eh_proj``); ``vision`` the vision tower.
+GROUPS = ("routed_experts", "shared_experts", "attention", "indexer", "dense_mlp", "mtp", "head", "vision", "other")
 
 
 def module_key(tensor_name: str) -> tuple[str, str]:
@@ -68,7 +71,9 @@ def parse_key(key: str) -> KeyInfo:
     if ".shared_expert" in f".{rest}" or rest.startswith(("mlp.shared_expert", "shared_expert")):
         return KeyInfo(layer, rest, "shared_experts")
     if first in ("self_attn", "attn", "attention", "linear_attn", "mixer"):
-        return KeyInfo(layer, rest, "attention")
+        return KeyInfo(layer, rest, "indexer" if ".indexer." in f".{rest}." else "attention")
+    if rest in ("eh_proj", "enorm", "hnorm") or rest.startswith("shared_head."):
+        return KeyInfo(layer, rest, "mtp")
     if first in ("mlp", "feed_forward") and rest.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"):
         return KeyInfo(layer, rest, "dense_mlp")
     return KeyInfo(layer, rest, "other")
@@ -247,6 +252,29 @@ def is_decoder_linear(m: Module, num_hidden_layers: int | None) -> bool:
     if not m.is_exl3 or m.info.layer is None:
         return False
     return num_hidden_layers is None or m.info.layer < num_hidden_layers
+
+
+def part_of(m: Module, num_hidden_layers: int | None) -> str:
+    """Which part of the model an EXL3 linear belongs to, for the rate lines: ``decoder`` (the exact rate:
+    layers below num_hidden_layers), ``mtp`` (layers at or above it), ``head``, ``vision``, ``other``."""
+    if is_decoder_linear(m, num_hidden_layers):
+        return "decoder"
+    if m.info.layer is not None:
+        return "mtp"
+    return m.info.group if m.info.group in ("head", "vision") else "other"
+
+
+def part_rates(mods: Iterable[Module], num_hidden_layers: int | None) -> dict[str, Fraction]:
+    """Σ bits × weights / Σ weights of each part (:func:`part_of`) that has EXL3 linears."""
+    acc: dict[str, list[int]] = {}
+    for m in mods:
+        b16 = m.bits16
+        if b16 is None or not m.is_exl3:
+            continue
+        a = acc.setdefault(part_of(m, num_hidden_layers), [0, 0])
+        a[0] += b16 * m.weights
+        a[1] += m.weights
+    return {k: Fraction(n, 16 * d) for k, (n, d) in acc.items() if d}
 
 
 def exact_rate(mods: Iterable[Module], num_hidden_layers: int | None) -> Fraction | None:

@@ -93,6 +93,9 @@ class Checkpoint:
     #: Opened for some modules only (a donor): only the shards holding them were read, and
     #: ``qconfig`` holds only their tensor_storage entries.
     partial: bool = False
+    #: Only the headers and small files are present (a hub commit read by ranges): tensor bytes,
+    #: codebook markers included, are not there to be read.
+    headers_only: bool = False
 
     @property
     def other_files(self) -> list[str]:
@@ -232,6 +235,7 @@ def open_checkpoint(
     *,
     modules: set[str] | None = None,
     headers: dict[str, ShardHeader] | None = None,
+    headers_only: bool = False,
 ) -> Checkpoint:
     """Open a checkpoint folder: shards from the index (or the single ``model.safetensors``).
 
@@ -312,7 +316,7 @@ def open_checkpoint(
         if not isinstance(q, dict):
             raise CheckpointError(f"{rootp / QCONFIG_NAME}: not a JSON object")
         qconfig = q
-    return Checkpoint(rootp, shards, headers, tensor_file, index, config, qconfig, files, problems, partial)
+    return Checkpoint(rootp, shards, headers, tensor_file, index, config, qconfig, files, problems, partial, headers_only)
 
 
 def read_small_tensors(ckpt: Checkpoint, names: list[str]) -> dict[str, bytes]:

@@ -60,6 +60,18 @@ def main() -> None:
     """Build mixed-precision mosaic checkpoints of quantized LLMs, byte for byte, and prove how."""
 
 
+def _census_folder(directory: Path) -> tuple[Path, Any]:
+    """A local folder as it is; ``org/name@<40-hex commit>`` from the cache, else its headers read by ranges."""
+    from mosaic.recipe import parse_hub_ref
+
+    ref = None if directory.exists() else parse_hub_ref(str(directory))
+    if ref is None:
+        return directory, None
+    from mosaic.sources import hub_folder
+
+    return hub_folder(*ref)
+
+
 @main.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
@@ -67,17 +79,18 @@ def main() -> None:
 def census(directory: Path, as_json: bool) -> None:
     """Inspect one checkpoint: tensors, shards, codebook, bits per layer and module, problems.
 
-    DIRECTORY is an EXL3 folder, or a GGUF model: a .gguf file, a split set's first file, or a
-    folder holding one GGUF model (tensor types, bits per layer from each tensor's type).
-
-    Exit 0 with no problems, 1 with problems, 2 when the checkpoint cannot be read.
+    DIRECTORY is a folder, or org/name@<40-hex commit>: from the local cache if it is there, else only
+    its configs and shard headers are read from the hub, by ranges (the bytes read are reported). It may
+    also be a GGUF model: a .gguf file, a split set's first file, or a folder holding one GGUF model
+    (tensor types, bits per layer from each tensor's type). Exit 0 with no problems, 1 with problems,
+    2 when the checkpoint cannot be read.
     """
     from mosaic.checkpoint.census import analyze, census_report
     from mosaic.checkpoint.folder import open_checkpoint
     from mosaic.checkpoint.gguf_model import is_gguf_location
     from mosaic.cli.render import render_census
 
-    if is_gguf_location(directory):  # a .gguf file, a split set's first file, a folder of one GGUF model
+    if directory.exists() and is_gguf_location(directory):  # a .gguf file, a split set's first file, a folder of one GGUF model
         from mosaic.checkpoint.gguf_census import gguf_census
         from mosaic.checkpoint.gguf_model import open_gguf_model
         from mosaic.cli.render import render_gguf_census
@@ -85,7 +98,11 @@ def census(directory: Path, as_json: bool) -> None:
         rep = gguf_census(open_gguf_model(directory))
         render = render_gguf_census
     else:
-        rep = census_report(analyze(open_checkpoint(directory)))
+        folder, snap = _census_folder(directory)
+        rep = census_report(analyze(open_checkpoint(folder, headers_only=snap is not None)))
+        if snap is not None:
+            rep["path"] = str(directory)
+            rep["hub_bytes_read"] = snap.reader.bytes_read
         render = render_census
     if as_json:
         _emit_json(rep)
@@ -100,16 +117,22 @@ def census(directory: Path, as_json: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace an existing output folder, after the new build succeeded.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files processed at once (default: number of cores).")
 @click.option("--link", is_flag=True, help="Hard-link untouched shards instead of copying them (they then share the base's inode).")
+@click.option("--stream", is_flag=True,
+              help="Read repo sources missing from the local cache from the hub by byte ranges: only the bytes the mosaic takes.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @_guarded
-def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: bool, as_json: bool) -> None:
-    """Build the mosaic described by the YAML RECIPE, byte for byte, with PROVENANCE.json."""
+def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: bool, stream: bool, as_json: bool) -> None:
+    """Build the mosaic described by the YAML RECIPE, byte for byte, with PROVENANCE.json.
+
+    With --stream, a repo + revision source that is not in the local Hugging Face cache is not
+    downloaded whole: its headers and configs, then exactly the tensors the mosaic takes, are read by
+    HTTP ranges into a resumable cache ($HF_HOME/mosaic/ranges)."""
     from mosaic.build.run import build as run_build
     from mosaic.cli.render import render_build
     from mosaic.progress import reporter
 
     with reporter(False if as_json else None) as progress:
-        res = run_build(recipe, out=out, force=force, jobs=jobs, link=link, progress=progress)
+        res = run_build(recipe, out=out, force=force, jobs=jobs, link=link, stream=stream, progress=progress)
     doc = res.provenance
     summary = {
         "output": str(res.out_dir),
@@ -122,6 +145,7 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
         "shards": {name: method for name, method in res.splice.methods.items()},
         "checks": doc["checks"],
         "notes": res.notes,
+        "hub_bytes_read": res.streamed,
     }
     if as_json:
         _emit_json(summary)
@@ -185,20 +209,31 @@ def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None,
     help="Also compare every tensor with its source, resolved from RECIPE (the recipe file the build used) "
     "or, without RECIPE, from mosaic-recipe.yaml with paths relative to the current directory.",
 )
+@click.option("--key", "key", type=click.Path(path_type=Path), default=None, metavar="PUBLIC_KEY",
+              help="Verify the signature (model.sig) with this PEM public key, besides every other check.")
+@click.option("--identity", default=None, help="Verify a Sigstore signature: the signer's identity (e.g. an e-mail address).")
+@click.option("--issuer", default=None, help="Verify a Sigstore signature: the identity's OpenID Connect issuer.")
+@click.option("--require-signature", "require_signature", is_flag=True,
+              help="Fail when the folder has no signature, or one not verified with --key or --identity/--issuer.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files read at once (default: number of cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
-def audit(directory: Path, sources: str | None, jobs: int | None, as_json: bool) -> None:
+def audit(directory: Path, sources: str | None, key: Path | None, identity: str | None, issuer: str | None,
+          require_signature: bool, jobs: int | None, as_json: bool) -> None:
     """Verify a built mosaic from its files alone (or every mosaic below DIRECTORY).
 
-    Exit 0 when every check passes, 1 when any fails, 2 when DIRECTORY is not a mosaic.
+    A signature (model.sig, from `mosaic sign`) is verified with --key or --identity/--issuer;
+    without them the audit reports it present but unverified. Exit 0 when every check passes, 1 when
+    any fails, 2 when DIRECTORY is not a mosaic or a key cannot be used.
     """
     from mosaic.audit.report import NotAMosaic, audit_report_json
     from mosaic.audit.run import audit as run_audit
     from mosaic.audit.run import find_mosaics
     from mosaic.cli.render import render_audit
     from mosaic.progress import reporter
+    from mosaic.signature import load_trust
 
+    trust = load_trust(key, identity, issuer)
     folders = find_mosaics(directory) if directory.is_dir() else []
     if not folders:
         raise NotAMosaic(f"{directory}: no mosaic here (no PROVENANCE.json, nor manifest.json with .gguf files, in it or below it)")
@@ -206,13 +241,87 @@ def audit(directory: Path, sources: str | None, jobs: int | None, as_json: bool)
     reports = []
     with reporter(False if as_json else None) as progress:
         for f in folders:
-            reports.append(run_audit(f, sources=src, jobs=jobs, progress=progress))
+            reports.append(run_audit(f, sources=src, jobs=jobs, progress=progress, trust=trust,
+                                     require_signature=require_signature))
     doc = audit_report_json(reports)
     if as_json:
         _emit_json(doc)
     else:
         render_audit(_console(), doc)
     sys.exit(0 if doc["ok"] else 1)
+
+
+def _passphrase(key: Path, password_file: Path | None) -> str | None:
+    """A private key's passphrase: from --password-file, MOSAIC_KEY_PASSWORD, or typed on a terminal."""
+    import os
+
+    from mosaic.signature import SigningError
+
+    if password_file is not None:
+        try:
+            return password_file.read_text(encoding="utf-8").rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SigningError(f"{password_file}: --password-file: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if os.environ.get("MOSAIC_KEY_PASSWORD"):
+        return os.environ["MOSAIC_KEY_PASSWORD"]
+    if sys.stdin.isatty():
+        return click.prompt(f"passphrase for {key}", hide_input=True, default="", show_default=False, err=True)
+    return None
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--key", "key", type=click.Path(path_type=Path), default=None, metavar="PRIVATE_KEY",
+              help="PEM elliptic-curve private key (P-256, P-384 or P-521). An encrypted key's passphrase comes from "
+              "--password-file, MOSAIC_KEY_PASSWORD, or the terminal.")
+@click.option("--password-file", "password_file", type=click.Path(path_type=Path), default=None,
+              help="File holding the private key's passphrase (its first line).")
+@click.option("--sigstore", is_flag=True,
+              help="Sign keylessly with Sigstore instead (network, and an OpenID Connect identity: ambient "
+              "credentials in CI, else a browser sign-in).")
+@click.option(
+    "--sources",
+    "sources",
+    is_flag=False,
+    flag_value="-",
+    default=None,
+    metavar="[RECIPE]",
+    help="Audit every tensor against its source too before signing (as `mosaic audit --sources`).",
+)
+@click.option("--force", is_flag=True, help="Replace an existing model.sig.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files read at once (default: number of cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+@_guarded
+def sign(directory: Path, key: Path | None, password_file: Path | None, sigstore: bool, sources: str | None,
+         force: bool, jobs: int | None, as_json: bool) -> None:
+    """Sign a mosaic folder (or GGUF export) with OpenSSF model signing: DIRECTORY/model.sig.
+
+    The folder is audited first (every byte read once) and signed only if every check passes, over the
+    digests of that read: every file but model.sig and the hub's .cache/huggingface/ records. Exit 0
+    when signed, 1 when the audit fails, 2 on a key, passphrase or option problem.
+    """
+    from mosaic.progress import reporter
+    from mosaic.sign import sign as run_sign
+    from mosaic.signature import Signer, SigningError, Sigstore, load_signing_key
+
+    if (key is None) == (not sigstore):
+        raise SigningError("give --key PRIVATE_KEY, or --sigstore for keyless signing (one of them)")
+    if password_file is not None and key is None:
+        raise SigningError("--password-file goes with --key")
+    signer: Signer = Sigstore() if key is None else load_signing_key(key, lambda: _passphrase(key, password_file))
+    src: bool | str = False if sources is None else (True if sources == "-" else sources)
+    with reporter(False if as_json else None) as progress:
+        res = run_sign(directory, signer, sources=src, force=force, jobs=jobs, progress=progress)
+    if as_json:
+        _emit_json(res.as_dict())
+        return
+    from mosaic.literal import printable
+
+    c = res.report.counts
+    click.echo(f"audit passed: {printable(directory)} ({c.get('files', 0)} files, {c.get('bytes', 0):,} bytes read once)")
+    click.echo(f"signed {printable(res.signed.path)}: {res.signed.files} files, with {printable(res.signed.by)}")
+    how = "--key PUBLIC_KEY" if key else "--identity IDENTITY --issuer ISSUER"
+    click.echo(f"verify with: mosaic audit {printable(directory)} {how}")
 
 
 @main.group()
@@ -284,10 +393,13 @@ def fetch(recipe: Path, local_dir: Path | None, jobs: int | None, as_json: bool)
 @click.option("--branch", default=None, help="Branch to commit to (default: main; created if missing).")
 @click.option("--private", is_flag=True, help="Create the repository as private (an existing one keeps its visibility).")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Audit and list what would be uploaded; no network at all.")
+@click.option("--recipe-only", "recipe_only", is_flag=True,
+              help="Upload all but the shards: users rebuild them from the sources with `mosaic rebuild`.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files audited at once (default: number of cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
-def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_run: bool, jobs: int | None, as_json: bool) -> None:
+def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_run: bool, recipe_only: bool,
+            jobs: int | None, as_json: bool) -> None:
     """Upload a mosaic folder to the hub in one commit, after `mosaic audit DIRECTORY` passes.
 
     The commit message names the recipe's SHA-256 and mosaic's version; afterwards the hub's digest
@@ -299,7 +411,7 @@ def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_r
 
     show = not as_json and sys.stderr.isatty()
     with reporter(False if as_json else None) as progress:
-        res = run_publish(directory, repo, branch=branch, private=private, dry_run=dry_run, jobs=jobs,
+        res = run_publish(directory, repo, branch=branch, private=private, dry_run=dry_run, recipe_only=recipe_only, jobs=jobs,
                           progress=progress, show_hub_progress=show)
     if as_json:
         _emit_json(res.as_dict())
@@ -309,6 +421,36 @@ def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_r
     render_publish(_console(), res)
     if not dry_run:
         click.echo(res.commit)
+
+
+@main.command()
+@click.argument("ref", metavar="ORG/NAME@COMMIT")
+@click.option("--source", "overrides", multiple=True, metavar="ID=PATH",
+              help="Read this source of the recipe from a local folder (repeatable); required for the recipe's path sources.")
+@click.option("--out", "out", type=click.Path(path_type=Path), help="Output folder (default: ./NAME).")
+@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files processed at once (default: number of cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+@_guarded
+def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | None, as_json: bool) -> None:
+    """Rebuild a published mosaic from its sources, byte for byte, instead of downloading its shards.
+
+    Reads the published repository's small files only (recipe, PROVENANCE.json, manifest, card,
+    configs), then builds the shards from the sources: --source folders, the local cache, or only the
+    needed byte ranges read from the hub. Every tensor is checked against PROVENANCE.json and every file
+    against the manifest; on any mismatch nothing is kept (exit 1).
+    """
+    from mosaic.cli.render import render_rebuild
+    from mosaic.progress import reporter
+    from mosaic.rebuild import parse_source_override
+    from mosaic.rebuild import rebuild as run_rebuild
+
+    given = dict(parse_source_override(o) for o in overrides)
+    with reporter(False if as_json else None) as progress:
+        res = run_rebuild(ref, out=out, sources=given, jobs=jobs, progress=progress)
+    if as_json:
+        _emit_json(res.as_dict())
+    else:
+        render_rebuild(_console(), res)
 
 
 if __name__ == "__main__":

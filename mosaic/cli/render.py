@@ -19,6 +19,7 @@ from mosaic.literal import markup_literal as lit
 if TYPE_CHECKING:
     from mosaic.hub.fetch import FetchedSnapshot
     from mosaic.publish import PublishResult
+    from mosaic.rebuild import RebuildResult
 
 #: Lines are never wrapped when not on a terminal; tables are laid out as if the page were this wide.
 PLAIN_WIDTH = 1 << 14
@@ -35,8 +36,11 @@ _GROUP_COLUMNS = (
     ("routed_experts", "routed experts"),
     ("shared_experts", "shared experts"),
     ("attention", "attention"),
+    ("indexer", "indexer"),
     ("dense_mlp", "dense MLP"),
+    ("mtp", "MTP proj"),
 )
+_KINDS = {"linear_attention": "KDA", "deepseek_sparse_attention": "MLA"}
 
 
 def human_bytes(n: int) -> str:
@@ -65,6 +69,9 @@ def render_census(console: Console, rep: dict) -> None:
     )
     exact = f"{rate['exact']:.4f}" if rate["exact"] is not None else "-"
     console.print(f"exact trellis rate {exact} bpw (config.json says {lit(rate['config'])}); head bits {_bits(rep['head_bits'])}")
+    for part in ("mtp", "vision", "head", "other"):
+        if rate.get(part) is not None:
+            console.print(f"  not in the exact rate: {part} {rate[part]:.4f} bpw")
     hist = Table(title="bits histogram", show_edge=False)
     hist.add_column("bits", justify="right")
     hist.add_column("modules", justify="right")
@@ -81,7 +88,7 @@ def render_census(console: Console, rep: dict) -> None:
     t.add_column("rate", justify="right")
     for row in rep["layers"]:
         g = row["groups"]
-        label = f"{row['layer']}" + (" (MTP)" if row["mtp"] else "")
+        label = f"{row['layer']}" + (" (MTP)" if row["mtp"] else f" ({_KINDS[row['kind']]})" if row.get("kind") in _KINDS else "")
         cells = []
         for key, _ in columns:
             if key in g:
@@ -97,6 +104,8 @@ def render_census(console: Console, rep: dict) -> None:
     console.print(t)
     for n in rep["notes"]:
         console.print(f"[yellow]note:[/yellow] {lit(n)}")
+    if "hub_bytes_read" in rep:
+        console.print(f"read {rep['hub_bytes_read']:,} bytes from the hub by ranges (configs and shard headers only)")
     if rep["problems"]:
         console.print(f"[red bold]{len(rep['problems'])} problem(s):[/red bold]")
         for p in rep["problems"]:
@@ -161,6 +170,8 @@ def render_build(console: Console, s: dict) -> None:
     for c in s["checks"]:
         t.add_row(lit(c["name"]), "[green]✓[/green]" if c["ok"] else "[red]✗[/red]", lit(c["detail"]))
     console.print(t)
+    for sid, n in s.get("hub_bytes_read", {}).items():
+        console.print(f"{lit(sid)}: read {n:,} bytes from the hub by ranges")
     for n in s.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {lit(n)}")
 
@@ -185,6 +196,7 @@ def render_audit(console: Console, doc: dict) -> None:
             for ch in m["checks"]:
                 for f in ch["failures"]:
                     console.print("FAIL " + ": ".join(lit(x) for x in (ch["name"], *_failure_parts(f), f["detail"])))
+            render_signature(console, m.get("signature"))
             continue
         t = Table(show_edge=False)
         t.add_column("check")
@@ -197,11 +209,28 @@ def render_audit(console: Console, doc: dict) -> None:
                 shown += f" (+{len(fails) - 3} more)"
             t.add_row(lit(ch["name"]), "[green]pass[/green]" if ch["ok"] else f"[red]FAIL ({len(fails)})[/red]", shown)
         console.print(t)
+        render_signature(console, m.get("signature"))
     n_fail = sum(1 for m in doc["mosaics"] if not m["ok"])
     if n_fail:
         console.print(f"[red bold]audit failed[/red bold]: {n_fail} of {len(doc['mosaics'])} mosaic(s) have problems")
     else:
         console.print(f"[green bold]audit passed[/green bold]: {len(doc['mosaics'])} mosaic(s), every check")
+
+
+def render_signature(console: Console, sig: dict | None) -> None:
+    """One line on the folder's signature; a signature nobody checked is never called verified."""
+    if sig is None:
+        return
+    state, name = sig["state"], lit(sig["file"])
+    if state == "verified":
+        console.print(f"signature: [green]verified[/green] {name} ({sig['files']} files) with {lit(sig['by'])}")
+    elif state == "unverified":
+        console.print(f"signature: [yellow]{name} present, NOT verified[/yellow] "
+                      "(give --key PUBLIC_KEY, or --identity and --issuer, to verify it)")
+    elif state == "failed":
+        console.print(f"signature: [red]{name} FAILED verification[/red] (see the signature check)")
+    else:
+        console.print("signature: none (the folder is not signed)")
 
 
 def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) -> None:
@@ -267,5 +296,21 @@ def render_publish(console: Console, res: PublishResult) -> None:
         console.print(f"  {f.size:>16,}  {lit(f.name)}")
     for n in res.deleted:
         console.print(f"  {'deleted':>16}  {lit(n)}")
+    if res.signature:
+        console.print(f"signed ({lit(res.signature)}): verify a download with `mosaic audit DIR --key PUBLIC_KEY` "
+                      "(or --identity/--issuer for a Sigstore signature), or with model_signing alone: "
+                      f"`model_signing verify key DIR --signature DIR/{lit(res.signature)} --public_key PUBLIC_KEY`")
+    else:
+        console.print("not signed: `mosaic sign DIRECTORY --key PRIVATE_KEY` before publishing adds model.sig")
     if not res.dry_run:
         console.print("hub digests of every uploaded file match sha256-manifest.txt")
+
+
+def render_rebuild(console: Console, res: RebuildResult) -> None:
+    console.print(f"[bold green]rebuilt[/bold green] {lit(res.repo)}@{lit(res.revision)} in {lit(res.out_dir)}: "
+                  f"{res.files} files, {res.tensors:,} tensors, every one equal to the published PROVENANCE.json and manifest")
+    for sid, n in res.hub_bytes.items():
+        what = "the published small files" if sid == "published" else f"source {lit(sid)} by ranges"
+        console.print(f"  read {n:,} bytes from the hub: {what}")
+    for sid, path in res.local_sources.items():
+        console.print(f"  source {lit(sid)} from {lit(path)}")

@@ -6,8 +6,14 @@ Nothing is re-quantized: ranma.cpp (a llama.cpp fork) reads EXL3 trellis tiles a
 types, so each EXL3 linear becomes ``<name>.weight`` of type ``256 + 16 * codebook + code`` whose
 bytes are the trellis tiles in another order, plus ``<name>.rot_in`` / ``.rot_out`` = suh / svh
 (F16, bytes unchanged); routed experts are stacked per layer and projection in expert order; every
-other tensor keeps its dtype and bytes. The facts follow the fork's own converter (ranma.cpp
-``conversion/exl3.py``, ``gguf-py/gguf/exl3.py``, ``gguf-py/gguf/constants.py``, ``docs/ranma/exl3.md``).
+other tensor gets the type the fork's converter gives it (:func:`mosaic.gguf.tensors.gguf_dtype`: F32 for
+norms, 1-D tensors, routers and convolutions, which widens BF16/F16 exactly; its source type otherwise).
+The facts follow the fork's own converter (ranma.cpp ``conversion/exl3.py``, ``gguf-py/gguf/exl3.py``,
+``gguf-py/gguf/constants.py``, ``docs/ranma/exl3.md``).
+
+The two exceptions to "no value changes" are that widening to F32 and GLM-5.3's ``ssm_a = -exp(A_log)``
+(float64, rounded once to F32); both are recorded per tensor in manifest.json (``layout``) and re-derived
+independently by ``mosaic audit --sources`` (see :mod:`mosaic.gguf.tensors`).
 
 Tile order. The trellis is int16 ``[K/16, N/16, 16*bits]``: a 16x16 tile is ``32*bits`` contiguous
 bytes. GGUF wants ``[N/128][K/16][8 tiles]`` (``to_ggml`` in the fork's ``gguf-py/gguf/exl3.py``):
@@ -19,6 +25,10 @@ time (a memory map, a strided gather of ``K/16`` segments per group), never a wh
 Names and keys come from gguf-py's tables (``gguf.MODEL_ARCH_NAMES``, ``gguf.get_tensor_name_map``);
 a tensor those tables cannot name is refused, never guessed. MTP layers (index >= num_hidden_layers)
 and vision towers are left out (the fork's converter does not convert them either) and listed.
+GLM-5.3-Flash (``Glm5NextForConditionalGeneration`` -> ``glm5-next``) is the exception: gguf-py does not
+know it, so :mod:`mosaic.gguf.glm5_next` maps it with the fork's own cited name table, writes exactly the
+tensor set the fork's loader creates, and keeps the MTP layer (the fork's release ranma_20261007 loads
+it as ``blk.<num_hidden_layers>``).
 
 The tokenizer metadata (``tokenizer.ggml.*``, ``tokenizer.chat_template``) comes from
 :mod:`mosaic.gguf.vocab`; a checkpoint whose tokenizer it cannot convert exactly is refused, since
@@ -40,16 +50,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from mosaic import __version__
 from mosaic.checkpoint.census import analyze
 from mosaic.checkpoint.exl3 import Module, module_key
 from mosaic.checkpoint.folder import open_checkpoint, text_config
-from mosaic.errors import MosaicError, OutputError, VerificationError
+from mosaic.errors import OutputError, VerificationError
 from mosaic.formats.gguf_container import (
     FLOAT32,
-    GGML_TYPE_OF_DTYPE,
     INT32,
     KV,
     STRING,
@@ -57,9 +64,22 @@ from mosaic.formats.gguf_container import (
     UINT32,
     Layout,
     align,
-    exl3_type,
     layout,
     type_name,
+)
+from mosaic.gguf import glm5_next
+from mosaic.gguf.tensors import (
+    F16,
+    GGUFExportError,
+    OutTensor,
+    SourceRef,
+    copied_chunks,
+    exl3_check,
+    f32_chunks,
+    mla_chunks,
+    neg_exp_chunks,
+    plain,
+    retiled_chunks,
 )
 from mosaic.gguf.vocab import Vocab, convert_vocab
 from mosaic.hashing import digest_file
@@ -67,18 +87,15 @@ from mosaic.progress import SILENT, Reporter
 
 MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = "mosaic.gguf-manifest/v1"
-CHUNK = 8 << 20
-F16 = 1
 
-#: HF architecture -> gguf-py MODEL_ARCH member. Only architectures that exllamav3 quantizes, that
-#: gguf-py maps, and whose plain layout the fork converts through the upstream model class
-#: (docs/ranma/exl3.md lists llama and qwen3moe as checked). GLM-5.3 (``Glm4MoeForCausalLM`` with
-#: ``model.language_model.layers``, the ``glm5-next`` runtime) is not here: the fork's model class
-#: for it is not among its public converter sources we could read, so its names and keys are unknown.
+#: HF architecture -> gguf-py MODEL_ARCH member. Architectures that exllamav3 quantizes, that gguf-py
+#: maps, and whose plain layout the fork converts through the upstream model class (docs/ranma/exl3.md
+#: lists llama and qwen3moe as checked); and GLM-5.3-Flash, mapped by mosaic.gguf.glm5_next.
 SUPPORTED: dict[str, str] = {
     "LlamaForCausalLM": "LLAMA",
     "Qwen3ForCausalLM": "QWEN3",
     "Qwen3MoeForCausalLM": "QWEN3MOE",
+    glm5_next.HF_ARCH: "GLM5_NEXT",  # gguf-py has no glm5-next: mosaic.gguf.glm5_next, the fork's own names
 }
 #: Upstream's llama model class permutes Q/K rows for RoPE; EXL3 rows cannot be permuted inside 128,
 #: so the fork's converter (conversion/exl3.py, ``adapt``) writes the unpermuted rows with
@@ -90,10 +107,6 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.vision_model.",
                     "vision_model.", "model.multi_modal_projector.", "multi_modal_projector.")
 _SPLIT_RE = re.compile(r"^(\d+)([KMG]?)$")
-
-
-class GGUFExportError(MosaicError):
-    """The checkpoint cannot be exported as GGUF (unsupported architecture, layout or tensor)."""
 
 
 def supported_architectures() -> list[str]:
@@ -110,27 +123,6 @@ def parse_size(text: str) -> int:
 
 def shard_name(stem: str, i: int, n: int) -> str:
     return f"{stem}-{i:05d}-of-{n:05d}.gguf"
-
-
-@dataclass
-class SourceRef:
-    """One safetensors tensor an output tensor is made of."""
-
-    tensor: str
-    file: str
-    start: int  # absolute position in the file
-    nbytes: int
-    shape: tuple[int, ...] = ()
-
-
-@dataclass
-class OutTensor:
-    name: str
-    ne: tuple[int, ...]
-    type_id: int
-    nbytes: int
-    layout: str  # "copy" (bytes concatenated) or "exl3-retile"
-    sources: list[SourceRef]
 
 
 @dataclass
@@ -151,7 +143,8 @@ class ExportPlan:
 
 def _ref(ckpt, name: str) -> SourceRef:
     shard, a, b = ckpt.file_range(name)
-    return SourceRef(name, shard, a, b - a, ckpt.tensor(name).shape)
+    t = ckpt.tensor(name)
+    return SourceRef(name, shard, a, b - a, t.shape, t.dtype)
 
 
 def _metadata(arch_name: str, arch_key: str, config: dict, qc: dict, name: str) -> list[KV]:
@@ -208,8 +201,13 @@ def _metadata(arch_name: str, arch_key: str, config: dict, qc: dict, name: str) 
         u32("expert_feed_forward_length", num("moe_intermediate_size"))
     if arch_key in ROPE_NEOX:
         kvs.append(KV(f"{a}.rope.style", STRING, "neox"))
-    # what the fork's converter writes (conversion/exl3.py, add_metadata); it refuses EXL3 types without
-    # a non-empty version and a codebook
+    return kvs + _exl3_kvs(qc)
+
+
+def _exl3_kvs(qc: dict) -> list[KV]:
+    """What the fork's converter writes (conversion/exl3.py, ``add_metadata``); it refuses EXL3 types
+    without a non-empty version and a codebook."""
+    kvs: list[KV] = []
     version = qc.get("version")
     if not isinstance(version, str) or not version:
         raise GGUFExportError("config.json: quantization_config.version is missing or empty; ranma.cpp needs it")
@@ -226,27 +224,6 @@ def _metadata(arch_name: str, arch_key: str, config: dict, qc: dict, name: str) 
         if isinstance(cal.get(k), int):
             kvs.append(KV(f"quantize.exl3.calibration.{k}", UINT32, int(cal[k])))
     return kvs
-
-
-def _exl3_check(m: Module) -> tuple[int, int, int]:
-    """(K, N, type id) of an EXL3 module the fork can store, else a refusal naming it."""
-    t = m.tensors
-    if "su" in t or "sv" in t:
-        raise GGUFExportError(f"{m.key}: legacy packed signs (su/sv) cannot be carried over bit for bit; not supported")
-    k, n, bits = m.in_features, m.out_features, m.bits
-    if k is None or n is None or bits is None or t["trellis"].dtype != "I16":
-        raise GGUFExportError(f"{m.key}.trellis: {t['trellis'].dtype} {list(t['trellis'].shape)} is not an EXL3 trellis")
-    if k % 128 or n % 128:
-        raise GGUFExportError(f"{m.key}: K = {k}, N = {n}; ranma.cpp needs both to be multiples of 128")
-    for side, dim in (("suh", k), ("svh", n)):
-        s = t.get(side)
-        if s is None or s.dtype != "F16" or s.shape != (dim,):
-            got = "missing" if s is None else f"{s.dtype} {list(s.shape)}"
-            raise GGUFExportError(f"{m.key}.{side}: {got}, expected F16 [{dim}]")
-    try:
-        return k, n, exl3_type(m.codebook or "3inst", bits)
-    except ValueError as e:
-        raise GGUFExportError(f"{m.key}: {e}") from None
 
 
 def plan_export(src: str | os.PathLike[str], name: str | None = None) -> ExportPlan:
@@ -267,6 +244,8 @@ def plan_export(src: str | os.PathLike[str], name: str | None = None) -> ExportP
     if not isinstance(qc, dict) or qc.get("quant_method") != "exl3":
         raise GGUFExportError(f"{ckpt.root / 'config.json'}: quantization_config.quant_method is not exl3")
     arch_key = SUPPORTED[arch]
+    if arch_key == "GLM5_NEXT":
+        return _plan_glm5_next(ckpt, qc, name)
     march = gguf.MODEL_ARCH[arch_key]
     arch_name = gguf.MODEL_ARCH_NAMES[march]
     nhl = ckpt.num_hidden_layers
@@ -302,7 +281,7 @@ def plan_export(src: str | os.PathLike[str], name: str | None = None) -> ExportP
             if key in done:
                 continue
             done.add(key)
-            k, n, tid = _exl3_check(m)
+            k, n, tid = exl3_check(m)
             em = _EXPERT_RE.match(key)
             if em:
                 if "bias" in m.tensors:
@@ -334,7 +313,7 @@ def plan_export(src: str | os.PathLike[str], name: str | None = None) -> ExportP
             raise GGUFExportError(f"{skey}: experts {ids[:8]}... are not 0..{len(ids) - 1}; cannot stack them")
         kinds = {}
         for e, m in members:
-            kinds.setdefault(_exl3_check(m), []).append(e)
+            kinds.setdefault(exl3_check(m), []).append(e)
         if len(kinds) > 1:
             desc = "; ".join(f"{type_name(t)} K={k} N={n}: experts {es[:4]}{'...' if len(es) > 4 else ''}"
                              for (k, n, t), es in kinds.items())
@@ -364,19 +343,25 @@ def plan_export(src: str | os.PathLike[str], name: str | None = None) -> ExportP
     return ExportPlan(ckpt.root, arch_name, kvs, flat, omitted, vocab=vocab)
 
 
+def _plan_glm5_next(ckpt, qc: dict, name: str | None) -> ExportPlan:
+    tensors, omitted, dims = glm5_next.plan_tensors(ckpt, analyze(ckpt))
+    kvs = [KV("general.architecture", STRING, glm5_next.rn.ARCH), KV("general.name", STRING, name or ckpt.root.name),
+           KV("general.quantization_version", UINT32, 2)]
+    kvs += glm5_next.metadata(ckpt.config or {}, dims)
+    kvs += _exl3_kvs(qc)
+    vocab = convert_vocab(ckpt.root, ckpt.config)
+    kvs += vocab.kvs
+    return ExportPlan(ckpt.root, glm5_next.rn.ARCH, kvs, tensors, omitted, vocab=vocab)
+
+
 def _exl3_bytes(m: Module) -> int:
     return m.tensors["trellis"].nbytes
 
 
 def _plain(ckpt, tname: str, gguf_name: str) -> OutTensor:
+    shard, a, b = ckpt.file_range(tname)
     t = ckpt.tensor(tname)
-    tid = GGML_TYPE_OF_DTYPE.get(t.dtype)
-    if tid is None:
-        raise GGUFExportError(f"{tname}: dtype {t.dtype} has no GGUF type")
-    ne = tuple(reversed(t.shape)) or (1,)
-    if len(ne) > 4:
-        raise GGUFExportError(f"{tname}: {len(ne)} dimensions; GGUF allows 4")
-    return OutTensor(gguf_name, ne, tid, t.nbytes, "copy", [_ref(ckpt, tname)])
+    return plain(SourceRef(tname, shard, a, b - a, t.shape, t.dtype), gguf_name)
 
 
 # ---- splitting -----------------------------------------------------------------------------------------------
@@ -414,31 +399,6 @@ def split_plan(plan: ExportPlan, stem: str, max_size: int | None, no_tensor_firs
 # ---- streaming -----------------------------------------------------------------------------------------------
 
 
-def retiled_chunks(path: Path, ref: SourceRef, chunk: int = CHUNK) -> Iterator[memoryview]:
-    """The GGUF bytes of one trellis, a few 128-row groups at a time (see the module docstring)."""
-    kt, nt, words = ref.shape
-    seg = 8 * words * 2
-    groups = nt // 8
-    src = np.memmap(path, dtype=np.uint8, mode="r", offset=ref.start, shape=(kt, groups, seg))
-    try:
-        step = max(1, chunk // (kt * seg))
-        for g0 in range(0, groups, step):
-            block = np.ascontiguousarray(src[:, g0 : g0 + step, :].transpose(1, 0, 2))
-            yield memoryview(block).cast("B")
-    finally:
-        del src
-
-
-def copied_chunks(fd: int, ref: SourceRef, chunk: int = CHUNK) -> Iterator[bytes]:
-    pos, end = ref.start, ref.start + ref.nbytes
-    while pos < end:
-        data = os.pread(fd, min(chunk, end - pos), pos)
-        if not data:
-            raise MosaicError(f"{ref.file}: tensor {ref.tensor!r}: file ended while reading it")
-        pos += len(data)
-        yield data
-
-
 @dataclass
 class ExportResult:
     out_dir: Path
@@ -460,12 +420,20 @@ def _write_shard(plan: ExportPlan, i: int, path: Path, advance: Callable[[int], 
                 th = hashlib.sha256()
                 written = 0
                 for ref in t.sources:
+                    src = plan.source / ref.file
+                    chunks: Iterator[bytes | memoryview]
                     if t.layout == "exl3-retile":
-                        chunks: Iterator[bytes | memoryview] = retiled_chunks(plan.source / ref.file, ref)
+                        chunks = retiled_chunks(src, ref)
+                    elif t.layout == "f32":
+                        chunks = f32_chunks(src, ref)
+                    elif t.layout == "neg-exp-f32":
+                        chunks = neg_exp_chunks(src, ref)
+                    elif t.layout in ("mla-k-b", "mla-v-b"):
+                        chunks = mla_chunks(src, ref, t.layout[4])
                     else:
                         fd = fds.get(ref.file)
                         if fd is None:
-                            fd = fds[ref.file] = os.open(plan.source / ref.file, os.O_RDONLY)
+                            fd = fds[ref.file] = os.open(src, os.O_RDONLY)
                         chunks = copied_chunks(fd, ref)
                     for c in chunks:
                         f.write(c)
@@ -518,9 +486,12 @@ def export_gguf(
 
     used = sorted({r.file for t in plan.tensors for r in t.sources})
     ranges: dict[str, list[SourceRef]] = {f: [] for f in used}
+    seen_refs: set[tuple[str, str]] = set()
     for t in plan.tensors:
         for r in t.sources:
-            ranges[r.file].append(r)
+            if (r.file, r.tensor) not in seen_refs:  # a tensor split in parts is digested once, whole
+                seen_refs.add((r.file, r.tensor))
+                ranges[r.file].append(r)
     src_files = []
     src_digest: dict[tuple[str, str], str] = {}
     total = sum(ly.size for ly in plan.layouts)
@@ -555,8 +526,7 @@ def export_gguf(
                     "name": t.name, "file": fname, "type": t.type_id, "type_name": type_name(t.type_id),
                     "ne": list(t.ne), "offset": lay.data_start + info.offset, "nbytes": t.nbytes, "sha256": h,
                     "layout": t.layout,
-                    "sources": [{"file": r.file, "tensor": r.tensor, "sha256": src_digest[(r.file, r.tensor)]}
-                                for r in t.sources],
+                    "sources": [{**r.record(), "sha256": src_digest[(r.file, r.tensor)]} for r in t.sources],
                 })
             files.append({"name": fname, "size": back.size, "sha256": back.sha256})
         doc = {

@@ -73,6 +73,25 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
         ignore_merges=False, clean_spaces=False, normalizers=(None, "NFC")),
 }
 
+#: Names chosen by the architecture, not by the regex: upstream's converter writes ``glm4`` for GLM's
+#: byte-level BPE (``_set_vocab_glm``) although its regex is Llama-3's, so a regex match alone would give
+#: ``llama-bpe``. llama.cpp's ``glm4`` (LLAMA_VOCAB_PRE_TYPE_CHATGLM4) compiles that same regex and sets no
+#: ``ignore_merges``; its ``clean_spaces`` is not established from the sources, so it is not checked.
+#: HF architecture prefix -> (name, the PRE_TOKENIZERS regex it must have, ``tokenizer.ggml.<kind>_token_id``
+#: -> token text that upstream's GLM vocabulary sets).
+BY_ARCHITECTURE: dict[str, tuple[str, str, dict[str, str]]] = {
+    # upstream convert_hf_to_gguf.py ``_set_vocab_glm``: bos [gMASK], eot <|user|>, unk <|endoftext|>,
+    # eom <|observation|> (set after SpecialVocab read tokenizer_config.json, so those it names win)
+    "Glm5Next": ("glm4", "llama-bpe", {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>",
+                                       "eom": "<|observation|>"}),
+}
+
+
+def _family(config: dict | None) -> tuple[str, str, dict[str, str]] | None:
+    archs = (config or {}).get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    return next((v for k, v in BY_ARCHITECTURE.items() if arch.startswith(k)), None)
+
 _CI_GROUP = re.compile(r"\(\?i:([A-Za-z'|]*)\)")
 
 
@@ -140,6 +159,16 @@ def _describe_pre(pre: object) -> str:
         return f"Split({pat!r}, behavior={pre.get('behavior')!r}, invert={pre.get('invert')!r})"
     opts = ", ".join(f"{k}={v!r}" for k, v in pre.items() if k != "type")
     return f"{pre.get('type')}({opts})"
+
+
+def _split_regex(tok: dict) -> str | None:
+    pre = tok.get("pre_tokenizer")
+    parts = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else None
+    if not (isinstance(parts, list) and parts and isinstance(parts[0], dict) and parts[0].get("type") == "Split"):
+        return None
+    pat = parts[0].get("pattern")
+    regex = pat.get("Regex") if isinstance(pat, dict) else None
+    return regex if isinstance(regex, str) else None
 
 
 def pre_tokenizer_name(tok: dict, tok_config: dict | None, where: str = TOKENIZER_JSON) -> str:
@@ -323,7 +352,21 @@ def convert_vocab(folder: str | Path, config: dict | None = None) -> Vocab:
     if tok_config is not None and not isinstance(tok_config, dict):
         raise VocabError(f"{tcp}: not a JSON object")
     model = _check_bpe(tok)
-    pre = pre_tokenizer_name(tok, tok_config)
+    family = _family(config)
+    special_ids: dict[str, int] = {}
+    if family is None:
+        pre = pre_tokenizer_name(tok, tok_config)
+    else:
+        pre, like, specials = family
+        regex = _split_regex(tok)
+        if regex is None or llamacpp_regex(regex) != PRE_TOKENIZERS[like].regex:
+            raise VocabError(f"{tj}: pre-tokenizer {_describe_pre(tok.get('pre_tokenizer'))} is not the one llama.cpp's "
+                             f"{pre!r} compiles ({like}'s regex); refusing to guess a tokenizer.ggml.pre name")
+        ids = {a.get("content"): a.get("id") for a in tok.get("added_tokens") or [] if isinstance(a, dict)}
+        for kind, text in specials.items():
+            if not isinstance(ids.get(text), int):
+                raise VocabError(f"{tj}: added token {text!r} is missing; the {pre} vocabulary uses it as the {kind} token")
+            special_ids[kind] = ids[text]
     vs = text_config(config or {}).get("vocab_size")
     if vs is not None and (not isinstance(vs, int) or isinstance(vs, bool) or vs <= 0):
         raise VocabError(f"config.json: vocab_size {vs!r} is not a positive integer")
@@ -357,6 +400,8 @@ def convert_vocab(folder: str | Path, config: dict | None = None) -> Vocab:
         gw.add_token_list(tokens)
         gw.add_token_types(types)
         special = gguf.SpecialVocab(root, load_merges=True)
+        for kind, tid in special_ids.items():
+            special._set_special_token(kind, tid)
         special.add_to_gguf(gw, quiet=True)
     except (ValueError, TypeError, KeyError) as e:
         raise VocabError(f"{root}: gguf-py's SpecialVocab refused the tokenizer files: {e}") from None

@@ -317,7 +317,7 @@ def resolve_snapshot(repo: str, revision: str) -> Path:
     except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError) as e:
         raise SourceError(
             f"{repo}@{revision}: not in the local Hugging Face cache ({type(e).__name__}); "
-            f"download it first with `mosaic fetch RECIPE`"
+            f"download it first with `mosaic fetch RECIPE`, or build with `--stream` to read only the bytes the mosaic takes"
         ) from None
     if listing is not None:
         missing = [n for n in sorted(listing) if not (got / n).is_file()]

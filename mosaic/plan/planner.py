@@ -68,15 +68,19 @@ def parse_size(text: str) -> int:
     return int(num)
 
 
-def parse_source(text: str, what: str, source_id: str) -> tuple[SourceSpec, Path]:
-    """``org/name@<40-hex>`` (resolved offline from the hub cache) or a folder."""
-    from mosaic.sources import hub_snapshot
+def parse_source(text: str, what: str, source_id: str, hub_bytes: dict[str, int] | None = None) -> tuple[SourceSpec, Path]:
+    """``org/name@<40-hex>`` (from the hub cache, else its configs and shard headers read by ranges,
+    counted in ``hub_bytes``) or a folder."""
+    from mosaic.sources import hub_folder
 
     repo, sep, rev = text.partition("@")
     if sep and _REPO_RE.match(repo) and not Path(text).exists():
         if not _REV_RE.match(rev):
             raise MosaicError(f"{what}: {text!r}: the revision must be a full 40-hex commit hash")
-        return SourceSpec(source_id, repo=repo, revision=rev), hub_snapshot(repo, rev)
+        folder, snap = hub_folder(repo, rev)
+        if snap is not None and hub_bytes is not None:
+            hub_bytes[source_id] = snap.reader.bytes_read
+        return SourceSpec(source_id, repo=repo, revision=rev), folder
     folder = Path(text)
     if not folder.is_dir():
         raise SourceError(f"{what}: {text} is not a folder (nor org/name@<40-hex commit>)")
@@ -154,11 +158,11 @@ def recipe_text(name: str, base_doc: dict, donor_docs: dict[str, dict], units: l
     return head + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120)
 
 
-def _load(spec: SourceSpec, folder: Path, sid: str) -> Analysis:
+def _load(spec: SourceSpec, folder: Path, sid: str, headers_only: bool = False) -> Analysis:
     from mosaic.checkpoint.census import analyze
     from mosaic.checkpoint.folder import open_checkpoint
 
-    a = analyze(open_checkpoint(folder))
+    a = analyze(open_checkpoint(folder, headers_only=headers_only))
     if a.problems:
         more = f" (and {len(a.problems) - 1} more; run `mosaic census {folder}`)" if len(a.problems) > 1 else ""
         raise SourceError(f"source {sid!r} ({spec.describe()}): {a.problems[0]}{more}")
@@ -186,10 +190,11 @@ def plan_mosaic(req: PlanRequest) -> PlanResult:
     ids = [d for d, _ in req.donors]
     if len(set(ids)) != len(ids):
         raise MosaicError(f"--donor: id given twice in {ids}")
-    base_spec, base_dir = parse_source(req.base, "--base", "base")
-    specs = {did: parse_source(src, f"--donor {did}", did) for did, src in req.donors}
-    base = _load(base_spec, base_dir, "base")
-    donors = {did: _load(spec, folder, did) for did, (spec, folder) in specs.items()}
+    hub_bytes: dict[str, int] = {}
+    base_spec, base_dir = parse_source(req.base, "--base", "base", hub_bytes)
+    specs = {did: parse_source(src, f"--donor {did}", did, hub_bytes) for did, src in req.donors}
+    base = _load(base_spec, base_dir, "base", "base" in hub_bytes)
+    donors = {did: _load(spec, folder, did, did in hub_bytes) for did, (spec, folder) in specs.items()}
     units = find_units(base, req.unit)
     _check_candidates(base, donors, units)
     scores, notes = load_scores(req.scores, units, req.unit, base, ids)
@@ -279,6 +284,10 @@ def plan_mosaic(req: PlanRequest) -> PlanResult:
         },
         "greedy": {"chosen": listing(greedy_sol), "predicted_size": size_of(greedy_sol.picks), "score": float(greedy_sol.score)},
     }
+    if hub_bytes:
+        report["hub_bytes_read"] = hub_bytes
+        notes.append("read from the hub by ranges (configs and shard headers only): "
+                     + ", ".join(f"{sid} {n:,} bytes" for sid, n in hub_bytes.items()))
     if req.out is not None:
         req.out.parent.mkdir(parents=True, exist_ok=True)
         req.out.write_text(text, encoding="utf-8")
