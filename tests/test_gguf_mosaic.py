@@ -444,3 +444,32 @@ def test_census_of_gguf_models_and_mosaics(tmp_path: Path, models: Path) -> None
     assert r.exit_code == 0 and "bits per layer and module group" in r.output
     r = CliRunner().invoke(main, ["census", str(models / "moe")])
     assert r.exit_code == 2 and r.output.startswith("mosaic: error:") and "holds 2 models" in r.output
+
+
+def test_sign_and_verify_a_gguf_mosaic(built: Path, tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    priv, pub = tmp_path / "k.pem", tmp_path / "k.pub"
+    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    r = CliRunner().invoke(main, ["sign", str(built), "--key", str(priv)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["audit", str(built), "--key", str(pub), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["mosaics"][0]["signature"]["verified"] is True
+    with open(built / "tiny-mosaic.gguf", "r+b") as f:  # tampered after signing
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x01")
+    r = CliRunner().invoke(main, ["audit", str(built), "--key", str(pub), "--json"])
+    assert r.exit_code == 1
+    failed = {(f["check"], f["file"]) for c in json.loads(r.stdout)["mosaics"][0]["checks"] for f in c["failures"]}
+    assert ("signature", "tiny-mosaic.gguf") in failed
+
+
+def test_stream_is_for_exl3_hub_sources(tmp_path: Path, models: Path) -> None:
+    with pytest.raises(RecipeError, match="--stream reads EXL3 hub sources"):
+        build(recipe(tmp_path, models, BASIC), out=tmp_path / "o", stream=True)
+    assert not (tmp_path / "o").exists()

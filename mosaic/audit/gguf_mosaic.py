@@ -158,6 +158,7 @@ def audit_gguf_mosaic(
     tensor_digest: dict[str, str] = {}
     for name, size, sha, td in parallel_map(one, files, jobs):
         digests[name] = (size, sha)
+        rep.digests[name] = sha  # a signature is checked against these, not read again
         tensor_digest.update(td)
     for n, sha in manifest.items():
         if n in digests and digests[n][1] != sha:

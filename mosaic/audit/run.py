@@ -39,8 +39,8 @@ def audit(
     if not root.is_dir():
         raise NotAMosaic(f"{root}: not a folder")
     if is_gguf_mosaic(root):
-        return audit_gguf_mosaic(root, sources=sources, jobs=jobs, progress=progress)
-    if is_gguf_folder(root):
+        rep = audit_gguf_mosaic(root, sources=sources, jobs=jobs, progress=progress)
+    elif is_gguf_folder(root):
         rep = audit_gguf(root, sources=sources, jobs=jobs, progress=progress)
     else:
         rep = audit_mosaic(root, sources=sources, jobs=jobs, progress=progress)
