@@ -473,3 +473,15 @@ def test_stream_is_for_exl3_hub_sources(tmp_path: Path, models: Path) -> None:
     with pytest.raises(RecipeError, match="--stream reads EXL3 hub sources"):
         build(recipe(tmp_path, models, BASIC), out=tmp_path / "o", stream=True)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("fault", "rc", "says"), [("copy:2:enospc", 2, "mosaic: error: No space left on device"),
+                                                   ("verified:1:int", 130, "mosaic: interrupted"),
+                                                   ("provenance:1:eio", 2, "mosaic: error: Input/output error")])
+def test_failed_or_interrupted_build_removes_its_temporary_folder(tmp_path: Path, models: Path, fault: str, rc: int, says: str) -> None:
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, "-m", "mosaic.cli", "build", str(recipe(tmp_path, models, BASIC)), "--out", str(out)],
+                       env={**os.environ, "MOSAIC_FAULT": fault}, capture_output=True, text=True)
+    assert (r.returncode, r.stderr.strip().splitlines()[-1]) == (rc, says), r.stderr
+    assert "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # no output, no temporary folder
