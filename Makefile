@@ -29,6 +29,8 @@ LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DGGML_BLAS=OFF -DLL
 
 $(RUNTIME): $(STAMP)
 	mkdir -p $(WHEELHOUSE)
+	@ls $(WHEELHOUSE)/llama_cpp_python-*.whl >/dev/null 2>&1 || \
+		echo "building the llama-cpp-python wheel once into $(WHEELHOUSE) (it compiles llama.cpp: 7-15 minutes on 2 cores)"
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(BIN)/python -m pip wheel --quiet --prefer-binary --no-deps --find-links $(WHEELHOUSE) -w $(WHEELHOUSE) '$(LLAMA_CPP)'
 	$(BIN)/python -m pip install --quiet --prefer-binary --find-links $(WHEELHOUSE) -e '.[dev,runtime]'
