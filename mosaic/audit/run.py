@@ -1,6 +1,7 @@
 """``mosaic audit``'s entry: which audit a folder gets, and which folders below a path are mosaics.
 
 An EXL3 mosaic (a folder with PROVENANCE.json) gets :func:`mosaic.audit.mosaic_folder.audit_mosaic`;
+a GGUF mosaic (PROVENANCE.json with ``format: gguf``) gets :func:`mosaic.audit.gguf_mosaic.audit_gguf_mosaic`;
 a GGUF export (a folder with a GGUF ``manifest.json``) gets :func:`mosaic.audit.gguf_folder.audit_gguf`.
 Both return an :class:`mosaic.audit.report.AuditReport`. Either is then told what is known of its
 signature (``model.sig``): verified against the digests the audit read when a public key or a Sigstore
@@ -13,6 +14,7 @@ import os
 from pathlib import Path
 
 from mosaic.audit.gguf_folder import audit_gguf, is_gguf_folder
+from mosaic.audit.gguf_mosaic import audit_gguf_mosaic, is_gguf_mosaic
 from mosaic.audit.mosaic_folder import audit_mosaic
 from mosaic.audit.report import AuditReport, NotAMosaic
 from mosaic.progress import SILENT, Reporter
@@ -36,7 +38,9 @@ def audit(
     root = Path(folder)
     if not root.is_dir():
         raise NotAMosaic(f"{root}: not a folder")
-    if is_gguf_folder(root):
+    if is_gguf_mosaic(root):
+        rep = audit_gguf_mosaic(root, sources=sources, jobs=jobs, progress=progress)
+    elif is_gguf_folder(root):
         rep = audit_gguf(root, sources=sources, jobs=jobs, progress=progress)
     else:
         rep = audit_mosaic(root, sources=sources, jobs=jobs, progress=progress)

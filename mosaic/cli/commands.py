@@ -80,21 +80,34 @@ def census(directory: Path, as_json: bool) -> None:
     """Inspect one checkpoint: tensors, shards, codebook, bits per layer and module, problems.
 
     DIRECTORY is a folder, or org/name@<40-hex commit>: from the local cache if it is there, else only
-    its configs and shard headers are read from the hub, by ranges (the bytes read are reported). Exit 0 with no problems, 1 with problems, 2 when the checkpoint cannot be read.
+    its configs and shard headers are read from the hub, by ranges (the bytes read are reported). It may
+    also be a GGUF model: a .gguf file, a split set's first file, or a folder holding one GGUF model
+    (tensor types, bits per layer from each tensor's type). Exit 0 with no problems, 1 with problems,
+    2 when the checkpoint cannot be read.
     """
     from mosaic.checkpoint.census import analyze, census_report
     from mosaic.checkpoint.folder import open_checkpoint
+    from mosaic.checkpoint.gguf_model import is_gguf_location
     from mosaic.cli.render import render_census
 
-    folder, snap = _census_folder(directory)
-    rep = census_report(analyze(open_checkpoint(folder, headers_only=snap is not None)))
-    if snap is not None:
-        rep["path"] = str(directory)
-        rep["hub_bytes_read"] = snap.reader.bytes_read
+    if directory.exists() and is_gguf_location(directory):  # a .gguf file, a split set's first file, a folder of one GGUF model
+        from mosaic.checkpoint.gguf_census import gguf_census
+        from mosaic.checkpoint.gguf_model import open_gguf_model
+        from mosaic.cli.render import render_gguf_census
+
+        rep = gguf_census(open_gguf_model(directory))
+        render = render_gguf_census
+    else:
+        folder, snap = _census_folder(directory)
+        rep = census_report(analyze(open_checkpoint(folder, headers_only=snap is not None)))
+        if snap is not None:
+            rep["path"] = str(directory)
+            rep["hub_bytes_read"] = snap.reader.bytes_read
+        render = render_census
     if as_json:
         _emit_json(rep)
     else:
-        render_census(_console(), rep)
+        render(_console(), rep)
     sys.exit(1 if rep["problems"] else 0)
 
 
@@ -141,7 +154,8 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
 
 
 @main.command()
-@click.option("--base", "base", required=True, metavar="SRC", help="The base: a folder or org/name@<40-hex commit>.")
+@click.option("--base", "base", required=True, metavar="SRC",
+              help="The base: a folder or org/name@<40-hex commit>; for GGUF a .gguf file, a folder of one model, or org/name@<commit>:<file or glob>.")
 @click.option("--donor", "donors", multiple=True, required=True, metavar="ID=SRC", help="A donor (repeatable; order = measurement alternatives).")
 @click.option("--scores", "scores", required=True, type=click.Path(path_type=Path), help="Per-layer scores (JSON or CSV) or exllamav3's measurement JSON.")
 @click.option("--max-size", "max_size", metavar="SIZE", help="Budget: total .safetensors bytes (K/M/G/T = 10^3.., KiB/MiB/GiB/TiB = 1024^..).")
@@ -168,11 +182,19 @@ def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None,
         unit=unit,
         out=out,
     )
-    res = plan_mosaic(req)
-    if as_json:
-        _emit_json(res.report)
+    from mosaic.plan.gguf_planner import is_gguf_src
+
+    if is_gguf_src(base):  # a .gguf file, a folder of one GGUF model, or org/name@<commit>:<file>
+        from mosaic.plan.gguf_planner import plan_gguf_mosaic
+
+        report, _, _, notes = plan_gguf_mosaic(req)
     else:
-        render_plan(_console(), res.report, res.notes, str(out) if out else None)
+        res = plan_mosaic(req)
+        report, notes = res.report, res.notes
+    if as_json:
+        _emit_json(report)
+    else:
+        render_plan(_console(), report, notes, str(out) if out else None)
 
 
 @main.command()

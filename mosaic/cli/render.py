@@ -114,6 +114,43 @@ def render_census(console: Console, rep: dict) -> None:
         console.print("[green]no problems found[/green]")
 
 
+def render_gguf_census(console: Console, rep: dict) -> None:
+    """A GGUF model's census: files, types, bits per layer and module group (from each tensor's type)."""
+    rate = rep["rate"]
+    console.print(f"[bold]{lit(rep['path'])}[/bold]")
+    console.print(
+        f"GGUF {lit(rep['architecture'])}: {rep['tensors']:,} tensors in {len(rep['files'])} file(s), "
+        f"{rep['bytes']['files']:,} bytes ({human_bytes(rep['bytes']['files'])}); {rep['metadata_keys']} metadata keys; "
+        f"general.file_type {lit(rep['file_type'])}"
+    )
+    console.print(f"{_rate(rate['all'])} bits per weight over all tensors, {_rate(rate['layers'])} over the blk.N layers")
+    types = Table(title="tensor types", show_edge=False)
+    for col in ("type", "bits", "tensors", "bytes"):
+        types.add_column(col, justify="right")
+    for k, v in rep["types"].items():
+        types.add_row(lit(k), f"{v['bits']:g}", f"{v['tensors']:,}", f"{v['bytes']:,}")
+    console.print(types)
+    groups = sorted({g for row in rep["layers"] for g in row["groups"]})
+    t = Table(title="bits per layer and module group", show_edge=False)
+    t.add_column("layer", justify="right")
+    for g in groups:
+        t.add_column(g, justify="center")
+    t.add_column("rate", justify="right")
+    for row in rep["layers"]:
+        cells = []
+        for g in groups:
+            c = row["groups"].get(g)
+            cells.append("" if c is None else f"{_rate(c['bits'])} {lit('/'.join(c['types']))}")
+        t.add_row(str(row["layer"]), *cells, _rate(row["rate"]))
+    console.print(t)
+    if rep["problems"]:
+        console.print(f"[red bold]{len(rep['problems'])} problem(s):[/red bold]")
+        for p in rep["problems"]:
+            console.print(f"  [red]✗[/red] {lit(p)}")
+    else:
+        console.print("[green]no problems found[/green]")
+
+
 def render_build(console: Console, s: dict) -> None:
     rate = s["rate"]
     console.print(f"[bold green]built[/bold green] {lit(s['output'])}")
@@ -121,8 +158,9 @@ def render_build(console: Console, s: dict) -> None:
         f"{s['size']['shards']:,} bytes ({human_bytes(s['size']['shards'])}) in {len(s['shards'])} shard(s); "
         f"{s['tensors']:,} tensors, {s['from_donors']:,} from donors"
     )
+    config = f" (config bits {rate['config_bits']})" if rate.get("config_bits") is not None else ""
     console.print(
-        f"rate: exact {_rate(rate['exact'])} bpw (config bits {rate['config_bits']}), by bytes {_rate(rate['by_bytes'])}, "
+        f"rate: exact {_rate(rate['exact'])} bpw{config}, by bytes {_rate(rate['by_bytes'])}, "
         f"by layer mass {_rate(rate['by_layer_mass'])}; base {_rate(rate['base'])}"
     )
     t = Table(show_edge=False)
