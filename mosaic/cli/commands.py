@@ -453,5 +453,40 @@ def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | 
         render_rebuild(_console(), res)
 
 
+@main.command("eval")
+@click.argument("candidates", nargs=-1, required=True, metavar="CANDIDATE...")
+@click.option("--reference", "reference", required=True, metavar="REF",
+              help="The teacher: a model (GGUF file or folder, EXL3 folder), or a reference saved with --save-reference (.npz).")
+@click.option("--text", "text", required=True, type=click.Path(path_type=Path),
+              help="The pre-registered rows: one text per non-empty line, or JSONL with a \"text\" field.")
+@click.option("--ctx", type=click.IntRange(2, 1 << 20), default=None, help="Tokens per window (default 512, or the saved reference's).")
+@click.option("--top-k", "top_k", type=click.IntRange(1, 1 << 16), default=None,
+              help="Teacher log-probabilities kept per position (default 32, or the saved reference's).")
+@click.option("--save-reference", "save_reference", type=click.Path(path_type=Path), default=None,
+              help="Keep the live teacher's top-k (with the text's digest and the tokenizer's identity) in this .npz file.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+@_guarded
+def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int | None, top_k: int | None,
+             save_reference: Path | None, as_json: bool) -> None:
+    """Score CANDIDATEs against a teacher on the same tokens: the quality panel of a mosaic.
+
+    Per candidate: top-1 agreement with the teacher, KL(teacher || candidate) (exact with a live teacher,
+    the KL lower bound from a saved top-k) with mean/p50/p95/p99/max, the text's own NLL, the same per row;
+    and from the first candidate to each later one, rows improved / regressed on top-1, KL and NLL.
+    GGUF models run on llama.cpp (CPU); EXL3 folders on exllamav3 (the exl3 extra and a CUDA GPU).
+    """
+    from mosaic.cli.render import render_eval
+    from mosaic.eval.run import EvalRequest, evaluate
+    from mosaic.progress import reporter
+
+    req = EvalRequest(list(candidates), reference, text, ctx, top_k, save_reference)
+    with reporter(False if as_json else None, unit="tokens") as progress:
+        doc = evaluate(req, progress)
+    if as_json:
+        _emit_json(doc)
+    else:
+        render_eval(_console(), doc)
+
+
 if __name__ == "__main__":
     main()
