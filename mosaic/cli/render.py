@@ -59,6 +59,15 @@ def _bits(v: list) -> str:
     return "/".join(f"{b:g}" for b in v) if v else "-"
 
 
+def _render_problems(console: Console, problems: list[str]) -> None:
+    if problems:
+        console.print(f"[red bold]{len(problems)} problem(s):[/red bold]")
+        for p in problems:
+            console.print(f"  [red]✗[/red] {lit(p)}")
+    else:
+        console.print("[green]no problems found[/green]")
+
+
 def render_census(console: Console, rep: dict) -> None:
     books = ", ".join(f"{lit(k)} ({v})" for k, v in rep["codebooks"].items()) or "none"
     rate = rep["rate"]
@@ -106,12 +115,7 @@ def render_census(console: Console, rep: dict) -> None:
         console.print(f"[yellow]note:[/yellow] {lit(n)}")
     if "hub_bytes_read" in rep:
         console.print(f"read {rep['hub_bytes_read']:,} bytes from the hub by ranges (configs and shard headers only)")
-    if rep["problems"]:
-        console.print(f"[red bold]{len(rep['problems'])} problem(s):[/red bold]")
-        for p in rep["problems"]:
-            console.print(f"  [red]✗[/red] {lit(p)}")
-    else:
-        console.print("[green]no problems found[/green]")
+    _render_problems(console, rep["problems"])
 
 
 def render_gguf_census(console: Console, rep: dict) -> None:
@@ -143,12 +147,7 @@ def render_gguf_census(console: Console, rep: dict) -> None:
             cells.append("" if c is None else f"{_rate(c['bits'])} {lit('/'.join(c['types']))}")
         t.add_row(str(row["layer"]), *cells, _rate(row["rate"]))
     console.print(t)
-    if rep["problems"]:
-        console.print(f"[red bold]{len(rep['problems'])} problem(s):[/red bold]")
-        for p in rep["problems"]:
-            console.print(f"  [red]✗[/red] {lit(p)}")
-    else:
-        console.print("[green]no problems found[/green]")
+    _render_problems(console, rep["problems"])
 
 
 def render_build(console: Console, s: dict) -> None:
