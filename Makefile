@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO   := demo
 
-.PHONY: install demo test lint bench fuzz clean release
+.PHONY: install runtime demo test lint bench fuzz clean release
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,26 @@ demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/python -m mosaic.demo $(DEMO)
 
-test: $(STAMP)
+# The runtime extra (llama-cpp-python, for the GGUF runtime test) compiles llama.cpp: the wheel is built
+# once, CPU-only and portable, into $(WHEELHOUSE), and every later venv installs it from there.
+RUNTIME    := $(VENV)/.runtime
+WHEELHOUSE ?= $(HOME)/.cache/mosaic/wheels
+LLAMA_CPP  := llama-cpp-python>=0.3.16,<0.4
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF
+
+$(RUNTIME): $(STAMP)
+	mkdir -p $(WHEELHOUSE)
+	@ls $(WHEELHOUSE)/llama_cpp_python-*.whl >/dev/null 2>&1 || \
+		echo "building the llama-cpp-python wheel once into $(WHEELHOUSE) (it compiles llama.cpp: 7-15 minutes on 2 cores)"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/python -m pip wheel --quiet --prefer-binary --no-deps --find-links $(WHEELHOUSE) -w $(WHEELHOUSE) '$(LLAMA_CPP)'
+	$(BIN)/python -m pip install --quiet --prefer-binary --find-links $(WHEELHOUSE) -e '.[dev,runtime]'
+	touch $(RUNTIME)
+
+runtime: $(RUNTIME)
+
+test: $(STAMP) $(RUNTIME)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
@@ -29,16 +48,19 @@ bench: $(STAMP)
 	$(BIN)/python bench/run.py
 
 fuzz: $(STAMP)
-	MOSAIC_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest tests/test_fuzz.py tests/test_safetensors_reader.py tests/test_records.py \
+	MOSAIC_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest tests/test_fuzz.py tests/test_safetensors_reader.py tests/test_records.py tests/test_signing.py \
 		-k 'fuzz or test_records' -p no:cacheprovider
 
-# make release RECIPE=recipes/x.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1]
-# fetch -> build -> audit -> publish; stops at the first step that fails. Without OUT, the output
+# make release RECIPE=recipes/x.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1] [SIGN_KEY=key.pem | SIGSTORE=1]
+# fetch -> build -> audit -> [sign] -> publish; stops at the first step that fails. Without OUT, the output
 # folder is the recipe's own; if it cannot be read (a bad recipe, a broken install) nothing runs.
+# With SIGN_KEY (an encrypted key's passphrase from MOSAIC_KEY_PASSWORD) or SIGSTORE=1, `mosaic sign
+# --sources` runs the audit against the sources and signs what it read, in one read of the mosaic.
 MOSAIC = $(BIN)/python -m mosaic.cli
 
 release: $(STAMP)
-	@test -n "$(RECIPE)" -a -n "$(REPO)" || { echo "usage: make release RECIPE=recipe.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1]" >&2; exit 2; }
+	@test -n "$(RECIPE)" -a -n "$(REPO)" || { echo "usage: make release RECIPE=recipe.yaml REPO=org/name [OUT=dir] [BRANCH=b] [PRIVATE=1] [FORCE=1] [SIGN_KEY=key.pem | SIGSTORE=1]" >&2; exit 2; }
+	@$(if $(SIGN_KEY),test -r '$(SIGN_KEY)' || { echo "make release: cannot read SIGN_KEY=$(SIGN_KEY); nothing ran" >&2; exit 2; })
 	@out='$(OUT)'; \
 	if [ -z "$$out" ]; then \
 	  out=$$($(BIN)/python -c 'import sys; from mosaic.recipe import load_recipe; print(load_recipe(sys.argv[1]).output_path())' '$(RECIPE)') \
@@ -48,7 +70,7 @@ release: $(STAMP)
 	set -ex; \
 	$(MOSAIC) fetch '$(RECIPE)'; \
 	$(MOSAIC) build '$(RECIPE)' --out "$$out" $(if $(FORCE),--force); \
-	$(MOSAIC) audit "$$out" --sources '$(RECIPE)'; \
+	$(if $(SIGN_KEY)$(SIGSTORE),$(MOSAIC) sign "$$out" --sources '$(RECIPE)' $(if $(SIGN_KEY),--key '$(SIGN_KEY)',--sigstore),$(MOSAIC) audit "$$out" --sources '$(RECIPE)'); \
 	$(MOSAIC) publish "$$out" --repo '$(REPO)' $(if $(BRANCH),--branch '$(BRANCH)') $(if $(PRIVATE),--private)
 
 clean:

@@ -1,6 +1,6 @@
 """mosaic's benchmark suite: mosaic against the plain baselines on the same data, in one run, as ratios.
 
-    python bench/run.py [--cases census,bytes,metadata,export,memory,stream] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--no-write]
+    python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--no-write]
 
 Synthetic data is generated once and cached outside the repository (``$MOSAIC_BENCH_DIR``, default
 ``~/.cache/mosaic-bench``). Each case runs every contender ``--runs`` times, interleaved, and reports
@@ -348,6 +348,100 @@ def case_stream(runs: int, size_gb: float) -> None:
         drop(out)
 
 
+def gguf_dataset(name: str, qtype: str, size_gb: float) -> Path:
+    """A llama-architecture MoE GGUF of about ``size_gb`` GB at ``qtype`` (Q4_0 base, Q8_0 donor of the
+    same shapes), written once by gguf-py. The blocks are random bytes: a copy benchmark reads and
+    writes them, nothing computes with them, and random bytes are as fast to make as zeros are not
+    to compress."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+    path = DATA / name / f"{name}.gguf"
+    if path.exists():
+        return path
+    drop(path.parent)
+    path.parent.mkdir(parents=True)
+    print(f"generating {path} ...", file=sys.stderr)
+    layers, embd, experts = 16, 2048, 16
+    ff = max(256, round(size_gb * 1e9 / (layers * 3 * embd * experts * 0.5625) / 256) * 256)
+    t = GGMLQuantizationType[qtype]
+    block, tsize = GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(path, "llama")
+    for k, v in (("llama.block_count", layers), ("llama.embedding_length", embd), ("llama.feed_forward_length", ff),
+                 ("llama.expert_count", experts), ("llama.expert_used_count", 2), ("llama.attention.head_count", 16)):
+        w.add_uint32(k, v)
+    w.add_file_type({"Q4_0": 2, "Q8_0": 7}[qtype])
+
+    def q(*shape: int) -> np.ndarray:  # quantized bytes, rows of shape[-1] weights
+        return rng.integers(0, 256, (*shape[:-1], shape[-1] // block * tsize), dtype=np.uint8)
+
+    w.add_tensor("token_embd.weight", q(8192, embd), raw_dtype=t)
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(embd, np.float32))
+        for n in ("q", "k", "v", "output"):
+            w.add_tensor(f"blk.{i}.attn_{n}.weight", q(embd, embd), raw_dtype=t)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(embd, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", np.zeros((experts, embd), np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", q(experts, ff, embd), raw_dtype=t)
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", q(experts, ff, embd), raw_dtype=t)
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", q(experts, embd, ff), raw_dtype=t)
+    w.add_tensor("output_norm.weight", np.ones(embd, np.float32))
+    w.add_tensor("output.weight", q(8192, embd), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def case_gguf(runs: int, size_gb: float) -> None:
+    """A GGUF mosaic (4 of 16 layers' routed experts from a Q8_0 donor) against ``cp`` + ``sha256sum`` of
+    the base and against the usual gguf-py copy script (GGUFReader → GGUFWriter, no digests)."""
+    from mosaic.testing_gguf import assemble_with_ggufpy
+
+    base = gguf_dataset(f"gguf-{size_gb}g-Q4_0", "Q4_0", size_gb)
+    donor = gguf_dataset(f"gguf-{size_gb}g-Q8_0", "Q8_0", size_gb)
+    layers = [2, 5, 9, 13]
+    recipe = DATA / f"gguf-{size_gb}g.yaml"
+    recipe.write_text(
+        f"name: gguf-bench\nbase:\n  path: {os.path.relpath(base, DATA)}\ndonors:\n  q8:\n    path: {os.path.relpath(donor, DATA)}\n"
+        f"replace:\n  - from: q8\n    layers: {layers}\n    modules: [ffn_exps]\n"
+    )
+    take = {f"blk.{i}.ffn_{p}_exps.weight": "q8" for i in layers for p in ("gate", "up", "down")}
+    out, cp_out, py_out = DATA / "out-gguf", DATA / "out-gguf-cp.gguf", DATA / "out-gguf-py.gguf"
+    size = base.stat().st_size
+    drop(out)
+    sh([*MOSAIC, "build", str(recipe), "--out", str(out)], env=WARM)  # fills the digest cache, untimed
+    case = f"gguf: build ({size / 1e9:.1f} GB Q4_0 base, 4 layers' experts from Q8_0)"
+    med = race(
+        case,
+        {
+            "mosaic build": (lambda: sh([*MOSAIC, "build", str(recipe), "--out", str(out)]), lambda: drop(out)),
+            "mosaic build, digests cached": (lambda: sh([*MOSAIC, "build", str(recipe), "--out", str(out)], env=WARM), lambda: drop(out)),
+            "cp + sha256sum": (lambda: sh(f"cp '{base}' '{cp_out}' && sha256sum '{cp_out}'"), lambda: cp_out.unlink(missing_ok=True)),
+            "gguf-py copy script": (lambda: assemble_with_ggufpy([base], {"q8": [donor]}, take, py_out),
+                                    lambda: py_out.unlink(missing_ok=True)),
+        },
+        runs,
+        "cp + sha256sum",
+    )
+    row("gguf: build", "mosaic / gguf-py copy script", f"{med['mosaic build'] / med['gguf-py copy script']:.2f}", "")
+    row("gguf: build", "mosaic, digests cached / gguf-py copy script",
+        f"{med['mosaic build, digests cached'] / med['gguf-py copy script']:.2f}", "")
+    cp_out.unlink(missing_ok=True)
+    py_out.unlink(missing_ok=True)
+    race(
+        "gguf: audit",
+        {
+            "mosaic audit": (lambda: sh([*MOSAIC, "audit", str(out)]), None),
+            "sha256sum": (lambda: sh(f"sha256sum '{out}'/*"), None),
+        },
+        runs,
+        "sha256sum",
+    )
+
+
 def machine() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     disk = shutil.disk_usage(DATA)
@@ -356,11 +450,12 @@ def machine() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream")
+    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream,gguf")
     ap.add_argument("--stream-gb", type=float, default=0.5, help="model size of the stream case (held in memory by the local hub)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--memory-gb", default="1,8", help="two base sizes for the memory case")
+    ap.add_argument("--gguf-gb", type=float, default=2.0, help="size of the GGUF case's Q4_0 base")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     DATA.mkdir(parents=True, exist_ok=True)
@@ -379,6 +474,8 @@ def main() -> int:
         case_memory(small, large)
     if "stream" in cases:
         case_stream(args.runs, args.stream_gb)
+    if "gguf" in cases:
+        case_gguf(args.runs, args.gguf_gb)
     lines = [f"machine: {machine()}", f"runs per contender: {args.runs} (medians)", "", "| case | contender | median | ratio |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in ROWS]
     text = "\n".join(lines) + "\n"

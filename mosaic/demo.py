@@ -1,4 +1,4 @@
-"""``make demo``: the whole tour on a small synthetic model, from census to the audit of a GGUF export.
+"""``make demo``: the whole tour on a small synthetic model, from census to signing and the audit of a GGUF export.
 
 Run as ``python -m mosaic.demo DIR`` from the project root; DIR must be the folder that
 ``recipes/demo.yaml`` points at (``demo``). The model is Qwen3-MoE-shaped (every layer MoE, no shared
@@ -42,9 +42,24 @@ def tour(demo_dir: Path, recipe: Path) -> list[tuple[str, list[str]]]:
         ]),
         ("build the demo recipe", ["build", str(recipe)]),
         ("verify it from its files alone", ["audit", str(out)]),
+        ("sign it (OpenSSF model signing; a throwaway key made for the demo)",
+         ["sign", str(out), "--key", str(demo_dir / "demo-signing.pem")]),
+        ("verify who signed it, with every check again", ["audit", str(out), "--key", str(demo_dir / "demo-signing.pub")]),
         ("repackage it as GGUF for ranma.cpp", ["export", "gguf", str(out), "--out", str(gguf)]),
         ("verify the export, and every tensor against the mosaic", ["audit", str(gguf), "--sources", str(out)]),
     ]
+
+
+def write_demo_key(demo_dir: Path) -> None:
+    """A throwaway P-256 key pair for the tour's signing step (a real one is the publisher's own)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    (demo_dir / "demo-signing.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (demo_dir / "demo-signing.pub").write_bytes(key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
 
 
 def run(demo_dir: Path, recipe: Path) -> int:
@@ -54,6 +69,7 @@ def run(demo_dir: Path, recipe: Path) -> int:
     (base / "DOWNLOAD-SEAL.json").write_text('{"note": "a download seal of the base; not carried over"}\n')
     write_checkpoint(donor, demo_geometry(bits=3, head_bits=8, seed=2, style="library"))
     (demo_dir / "scores.json").write_text(json.dumps({"higher_is_better": True, "scores": DEMO_SCORES}, indent=2) + "\n")
+    write_demo_key(demo_dir)
     runner = CliRunner()
     steps = tour(demo_dir, recipe)
     for i, (title, args) in enumerate(steps, 1):
@@ -68,13 +84,15 @@ def run(demo_dir: Path, recipe: Path) -> int:
 Done. Where everything is:
   {base}, {donor}   the synthetic base and donor
   {demo_dir / 'planned.yaml'}   the recipe `mosaic plan` chose (compare it with {recipe})
-  {out}   the mosaic
+  {out}   the mosaic, signed: {out / 'model.sig'} (public key {demo_dir / 'demo-signing.pub'})
   {gguf}   its GGUF export for ranma.cpp
 
 What to read next:
   {out / 'README.md'}   the model card: rates, which layers come from where, how to verify
   {out / 'PROVENANCE.json'}   every tensor's SHA-256 and source
   (cd {out} && sha256sum -c sha256-manifest.txt)   check every file without mosaic
+  model_signing verify key {out} --signature {out / 'model.sig'} --public_key {demo_dir / 'demo-signing.pub'}
+      the signature, without mosaic (pip install model-signing)
   {gguf / 'manifest.json'}   every GGUF tensor's digest and the source tensors it came from""")
     return 0
 

@@ -10,11 +10,15 @@ from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
+    MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
 
 from mosaic.literal import printable
 
@@ -43,18 +47,30 @@ class Reporter:
         return advance
 
 
+class _Rate(ProgressColumn):
+    """Units per second, for work counted in something other than bytes."""
+
+    def __init__(self, unit: str) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task: Task) -> Text:
+        return Text(f"{task.speed:,.0f} {self.unit}/s" if task.speed else f"? {self.unit}/s")
+
+
 @contextmanager
-def reporter(enabled: bool | None = None) -> Iterator[Reporter]:
-    """A Reporter drawing on stderr when it is a terminal (or when ``enabled`` says so)."""
+def reporter(enabled: bool | None = None, unit: str = "bytes") -> Iterator[Reporter]:
+    """A Reporter drawing on stderr when it is a terminal (or when ``enabled`` says so); counts are
+    bytes (with transfer rates) unless ``unit`` names another unit (tokens, rows)."""
     on = sys.stderr.isatty() if enabled is None else enabled
     if not on:
         yield Reporter(None)
         return
+    counts = (DownloadColumn(), TransferSpeedColumn()) if unit == "bytes" else (MofNCompleteColumn(), _Rate(unit))
     progress = Progress(
         TextColumn("{task.description}", markup=False),  # descriptions hold names: never markup
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        *counts,
         TimeRemainingColumn(),
         console=Console(stderr=True, highlight=False, emoji=False),
         transient=False,
@@ -64,3 +80,4 @@ def reporter(enabled: bool | None = None) -> Iterator[Reporter]:
 
 
 SILENT = Reporter(None)
+

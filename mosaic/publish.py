@@ -1,7 +1,9 @@
 """``mosaic publish``: audit first, upload in one commit, read the hub's digests back.
 
-The branch ends up holding exactly the mosaic's files; after the commit, the hub's digests of every
-file are compared with ``sha256-manifest.txt``. This sits above both the audit and the hub client
+The branch ends up holding exactly the mosaic's files, and its signature (``model.sig``, from
+``mosaic sign``) when it has one; after the commit, the hub's digests of every file are compared with
+``sha256-manifest.txt`` (and the signature's with the file uploaded). A signature that no longer
+matches the folder is refused before anything is uploaded: every consumer's verification would fail. This sits above both the audit and the hub client
 (it needs both), so neither of them depends on the other.
 
 It must never print or store the token, or touch the network with ``dry_run``.
@@ -20,7 +22,8 @@ from mosaic.audit.run import audit
 from mosaic.errors import MosaicError, VerificationError
 from mosaic.hub.snapshot import REPO_RE, HubFile, digest_local, hub_progress, scrub_token
 from mosaic.progress import SILENT, Reporter
-from mosaic.records import MANIFEST_NAME, PROVENANCE_NAME, FileRecord, parse_manifest
+from mosaic.records import MANIFEST_NAME, PROVENANCE_NAME, SIGNATURE_NAME, FileRecord, parse_manifest
+from mosaic.signature import MalformedSignature, stale_files
 
 #: Files the hub keeps in every repository by itself; never uploaded, deleted or compared by publish.
 HUB_OWN_FILES = frozenset({".gitattributes"})
@@ -48,6 +51,11 @@ class PublishResult:
     deleted: list[str] = field(default_factory=list)
     verified: bool = False
 
+    @property
+    def signature(self) -> str | None:
+        """The signature file uploaded with the mosaic, if it has one."""
+        return SIGNATURE_NAME if any(f.name == SIGNATURE_NAME for f in self.files) else None
+
     def as_dict(self) -> dict[str, object]:
         return {
             "repo": self.repo,
@@ -59,6 +67,7 @@ class PublishResult:
             "bytes": sum(f.size for f in self.files),
             "deleted": self.deleted,
             "verified": self.verified,
+            "signature": self.signature,
         }
 
 
@@ -74,6 +83,10 @@ def upload_plan(folder: str | Path, recipe_only: bool = False) -> tuple[list[Upl
     items = [UploadItem(n, (root / n).stat().st_size, sha) for n, sha in sorted(listed.items())
              if not (recipe_only and n.endswith(".safetensors"))]
     items.append(UploadItem(MANIFEST_NAME, len(data), hashlib.sha256(data).hexdigest()))
+    sig = root / SIGNATURE_NAME
+    if sig.is_file() and not sig.is_symlink():
+        raw = sig.read_bytes()
+        items.append(UploadItem(SIGNATURE_NAME, len(raw), hashlib.sha256(raw).hexdigest()))
     items.sort(key=lambda i: i.name)
     try:
         prov = json.loads((root / PROVENANCE_NAME).read_text(encoding="utf-8"))
@@ -136,6 +149,17 @@ def publish(
         raise PublishError(
             f"{root}: refusing to publish: `mosaic audit` failed: {f.check}: {where + ': ' if where else ''}{f.detail}{more}"
         )
+    if rep.signature is not None and rep.signature["present"]:
+        try:
+            stale = stale_files(root, rep.files, rep.digests)
+        except MalformedSignature as e:
+            raise PublishError(f"{root / SIGNATURE_NAME}: refusing to publish: {e}") from None
+        if stale:
+            (n, d), more = stale[0], (f" (and {len(stale) - 1} more)" if len(stale) > 1 else "")
+            raise PublishError(
+                f"{root / SIGNATURE_NAME}: refusing to publish a signature that no longer matches the folder: {n}: {d}{more}; "
+                "sign again (mosaic sign --force) or remove it"
+            )
     items, message = upload_plan(root, recipe_only=recipe_only)
     target = branch or "main"
     result = PublishResult(repo, target, message, items, dry_run)
@@ -172,7 +196,8 @@ def publish(
                 operations=ops,
                 commit_message=message,
                 commit_description=f"Uploaded by `mosaic publish` ({len(items)} files). "
-                "Verify a download with `sha256sum -c sha256-manifest.txt` and `mosaic audit`.",
+                "Verify a download with `sha256sum -c sha256-manifest.txt` and `mosaic audit`"
+                + (f"; its signature ({SIGNATURE_NAME}) with `mosaic audit DIR --key PUBLIC_KEY`." if result.signature else "."),
                 revision=target,
             )
         result.commit = str(info.oid)

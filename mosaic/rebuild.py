@@ -27,7 +27,7 @@ from mosaic.errors import OutputError, SourceError, VerificationError
 from mosaic.hub.partial import SHARD_SUFFIX, PartialSnapshot
 from mosaic.progress import SILENT, Reporter
 from mosaic.recipe import Recipe, SourceSpec, parse_hub_ref, parse_recipe
-from mosaic.records import MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME, parse_manifest
+from mosaic.records import MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME, SIGNATURE_NAME, parse_manifest
 
 
 @dataclass
@@ -150,7 +150,10 @@ def _check_tensors(built: dict, want: dict[str, dict], repo: str, revision: str)
 
 def _check_files(work: Path, listed: dict[str, str], shard_digests: dict[str, str], repo: str, revision: str) -> None:
     present = sorted(p.relative_to(work).as_posix() for p in work.rglob("*") if p.is_file())
-    expected = sorted([*listed, MANIFEST_NAME])
+    # a signature (``mosaic sign``) is the one published file the manifest does not list; it is copied
+    # verbatim like the others, and ``mosaic audit --key`` verifies it against the rebuilt folder
+    signed = [SIGNATURE_NAME] if (work / SIGNATURE_NAME).is_file() else []
+    expected = sorted([*listed, MANIFEST_NAME, *signed])
     if present != expected:
         extra = sorted(set(present) - set(expected))
         missing = sorted(set(expected) - set(present))

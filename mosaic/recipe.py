@@ -28,9 +28,10 @@ _RANGE_RE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 _COMPONENT_RE = re.compile(r"^[A-Za-z0-9_*?\[\]!-]+$")
 
 _TOP_FIELDS = {"name", "base", "donors", "replace", "output"}
-_SOURCE_FIELDS = {"path", "repo", "revision"}
+_SOURCE_FIELDS = {"path", "repo", "revision", "file"}
 _RULE_FIELDS = {"from", "layers", "modules", "keys"}
-_OUTPUT_FIELDS = {"dir", "exclude"}
+_OUTPUT_FIELDS = {"dir", "exclude", "split_max_size"}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)\s*$")
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,16 @@ class SourceSpec:
     path: str | None = None
     repo: str | None = None
     revision: str | None = None
+    #: GGUF only: the file (or glob over the files) inside the folder or repo that makes the model.
+    file: str | None = None
 
     def as_record(self) -> dict[str, str]:
         """How PROVENANCE.json names this source: exactly as the recipe wrote it (so an absolute path
         appears only where the recipe itself names one)."""
+        extra = {"file": self.file} if self.file is not None else {}
         if self.repo is not None:
-            return {"repo": self.repo, "revision": self.revision or ""}
-        return {"path": self.path or ""}
+            return {"repo": self.repo, "revision": self.revision or "", **extra}
+        return {"path": self.path or "", **extra}
 
     @property
     def is_folder(self) -> bool:
@@ -55,7 +59,8 @@ class SourceSpec:
         return self.repo is None
 
     def describe(self) -> str:
-        return f"{self.repo}@{self.revision}" if self.repo else str(self.path)
+        where = f"{self.repo}@{self.revision}" if self.repo else str(self.path)
+        return f"{where} file {self.file}" if self.file is not None else where
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class Recipe:
     exclude: tuple[str, ...]
     file: Path
     raw: bytes
+    #: GGUF only: the most tensor bytes per output part (``llama-gguf-split --split-max-size``); None: one file.
+    split_max_size: int | None = None
 
     @property
     def sha256(self) -> str:
@@ -262,14 +269,23 @@ def _string_list(path: Path, field: str, value: object) -> tuple[str, ...]:
     return tuple(_string(path, f"{field}[{i}]", v) for i, v in enumerate(value))
 
 
+def _file_pattern(path: Path, field: str, value: object) -> str:
+    """A GGUF file name or glob inside a folder or repo: relative, no ``..``."""
+    f = _string(path, field, value)
+    if f.startswith("/") or "\\" in f or ".." in f.split("/"):
+        raise _fail(path, field, f"{f!r} must be a relative name inside the source (no leading '/', no '..')")
+    return f
+
+
 def _source(path: Path, field: str, sid: str, value: object) -> SourceSpec:
     m = _mapping(path, field, value, _SOURCE_FIELDS)
+    file = _file_pattern(path, f"{field}.file", m["file"]) if "file" in m else None
     if "path" in m:
         if "repo" in m or "revision" in m:
             raise _fail(path, field, "give either path, or repo + revision, not both")
         # A source location, not a name inside a folder: absolute, ``~`` and ``..`` are all accepted
         # (models live on other disks); relative ones are relative to the recipe file.
-        return SourceSpec(sid, path=_string(path, f"{field}.path", m["path"]))
+        return SourceSpec(sid, path=_string(path, f"{field}.path", m["path"]), file=file)
     if "repo" not in m:
         raise _fail(path, field, "needs path, or repo + revision")
     repo = _string(path, f"{field}.repo", m["repo"])
@@ -283,7 +299,7 @@ def _source(path: Path, field: str, sid: str, value: object) -> SourceSpec:
             f"must be a full 40-hex commit hash (branches and tags move), got {rev!r}; "
             f"pin it, e.g. with: huggingface-cli repo-info {repo}",
         )
-    return SourceSpec(sid, repo=repo, revision=rev)
+    return SourceSpec(sid, repo=repo, revision=rev, file=file)
 
 
 def _layers(path: Path, field: str, value: object) -> tuple[int, ...]:
@@ -378,13 +394,30 @@ def parse_recipe(raw: bytes, file: Path) -> Recipe:
     rules = tuple(_rule(file, i, r, donors) for i, r in enumerate(rules_raw))
     out_dir: str | None = None
     exclude: tuple[str, ...] = ()
+    split_max_size: int | None = None
     if "output" in top:
         o = _mapping(file, "output", top["output"], _OUTPUT_FIELDS)
         if "dir" in o:
             out_dir = _string(file, "output.dir", o["dir"])
         if "exclude" in o:
             exclude = _string_list(file, "output.exclude", o["exclude"])
-    return Recipe(name, base, donors, rules, out_dir, exclude, file, raw)
+        if "split_max_size" in o:
+            split_max_size = _split_size(file, "output.split_max_size", o["split_max_size"])
+    return Recipe(name, base, donors, rules, out_dir, exclude, file, raw, split_max_size)
+
+
+def _split_size(path: Path, field: str, value: object) -> int:
+    """Bytes, or with K/M/G/T = 10^3/10^6/10^9/10^12, as ``llama-gguf-split --split-max-size`` counts."""
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif m:
+        n = int(m.group(1)) * 1000 ** " KMGT".index(m.group(2) or " ")
+    else:
+        raise _fail(path, field, f"{value!r} is not a size (bytes, or a number with K, M, G or T)")
+    if n <= 0:
+        raise _fail(path, field, f"{value!r} must be positive")
+    return n
 
 
 def load_recipe(path: str | Path) -> Recipe:

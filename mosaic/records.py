@@ -22,6 +22,15 @@ RECIPE_NAME = "mosaic-recipe.yaml"
 PROVENANCE_NAME = "PROVENANCE.json"
 MANIFEST_NAME = "sha256-manifest.txt"
 CARD_NAME = "README.md"
+#: The OpenSSF model signing convention's file name (the ``model_signing`` command line's default). It is
+#: written after the manifest, so it is the one file of a mosaic that the manifest does not list.
+SIGNATURE_NAME = "model.sig"
+
+#: What the hub adds to a downloaded mosaic: its ``.gitattributes`` (LFS rules) and, with
+#: ``--local-dir``, huggingface_hub's own download metadata. Neither is loaded by exllamav3 (it reads
+#: top-level ``*.safetensors`` and the configs), so the audit skips them and counts them, rather than
+#: failing every consumer's download, and a signature does not cover them.
+HUB_ARTEFACTS = (".gitattributes", ".cache/huggingface")
 
 
 @dataclass

@@ -11,6 +11,7 @@ import pytest
 from mosaic.audit.run import audit
 from mosaic.demo import run
 from mosaic.recipe import load_recipe
+from mosaic.signature import load_trust
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,11 +22,14 @@ def test_the_whole_tour_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.chdir(tmp_path)
     assert run(Path("demo"), Path("recipes/demo.yaml")) == 0
     printed = capsys.readouterr().out
-    for step in ("$ mosaic census", "$ mosaic plan", "$ mosaic build", "$ mosaic audit", "$ mosaic export gguf"):
+    for step in ("$ mosaic census", "$ mosaic plan", "$ mosaic build", "$ mosaic audit", "$ mosaic sign",
+                 "$ mosaic export gguf"):
         assert step in printed
-    assert printed.count("audit passed") == 2
+    assert printed.count("audit passed: 1 mosaic(s)") == 3 and "signature: verified model.sig" in printed
     out, gguf = tmp_path / "demo/out/demo-mosaic", tmp_path / "demo/out/demo-mosaic-gguf"
     assert audit(out).ok and audit(gguf, sources=out).ok
+    trust = load_trust(tmp_path / "demo/demo-signing.pub", None, None)
+    assert audit(out, trust=trust, require_signature=True).ok
     assert sorted(p.name for p in gguf.glob("*.gguf"))
     # the plan chose, from the demo's scores, the very layers recipes/demo.yaml takes
     planned, demo = load_recipe(tmp_path / "demo/planned.yaml"), load_recipe(tmp_path / "recipes/demo.yaml")
@@ -33,5 +37,6 @@ def test_the_whole_tour_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
     assert json.loads((tmp_path / "demo/scores.json").read_text())["higher_is_better"] is True
     # the closing lines say where each result is
     tail = printed[printed.index("Where everything is"):]
-    for p in ("demo/planned.yaml", "demo/out/demo-mosaic", "demo/out/demo-mosaic-gguf", "PROVENANCE.json", "sha256sum -c"):
+    for p in ("demo/planned.yaml", "demo/out/demo-mosaic", "demo/out/demo-mosaic-gguf", "PROVENANCE.json", "sha256sum -c",
+              "model.sig", "model_signing verify key"):
         assert p in tail

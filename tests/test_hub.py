@@ -28,6 +28,7 @@ from mosaic.errors import RecipeError, SourceError, VerificationError
 from mosaic.hub.fetch import fetch, fetch_snapshot
 from mosaic.hub.snapshot import cache_snapshot_folder, record_path, resolve_snapshot, verified_digests
 from mosaic.publish import PublishError, compare_with_hub, publish, upload_plan
+from mosaic.signature import load_trust
 from mosaic.sources import hub_snapshot
 from mosaic.testing import every_group_geometry
 
@@ -371,6 +372,57 @@ def test_publish_uploads_one_commit_and_reads_back_digests(hub: FakeHub, mosaic_
     assert shard in str(e.value) and "0" * 64 in str(e.value)
 
 
+def _ec_keys(at: Path) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    k = ec.generate_private_key(ec.SECP256R1())
+    priv, pub = at / "sign.pem", at / "sign.pub"
+    priv.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption()))
+    pub.write_bytes(k.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    return priv, pub
+
+
+def test_publish_uploads_the_signature_and_a_download_verifies(hub: FakeHub, mosaic_dir: Path, tmp_path: Path) -> None:
+    from model_signing import verifying
+
+    priv, pub = _ec_keys(tmp_path)
+    r = CliRunner().invoke(main, ["publish", str(mosaic_dir), "--repo", "test-org/signed", "--dry-run"])
+    assert r.exit_code == 0 and "not signed" in r.output
+    assert CliRunner().invoke(main, ["sign", str(mosaic_dir), "--key", str(priv)]).exit_code == 0
+    r = CliRunner().invoke(main, ["publish", str(mosaic_dir), "--repo", "test-org/signed"])
+    assert r.exit_code == 0, r.output
+    assert "model.sig" in r.output and "--key PUBLIC_KEY" in r.output and "model_signing verify key" in r.output
+    repo = hub.repos["test-org/signed"]
+    tree = repo.commits[repo.refs["main"]]
+    assert tree["model.sig"] == (mosaic_dir / "model.sig").read_bytes()
+    # the consumer: a download (with the hub's .gitattributes and download records) verifies both ways
+    from huggingface_hub import snapshot_download
+
+    dl = Path(snapshot_download("test-org/signed", revision=repo.refs["main"], local_dir=tmp_path / "consumer"))
+    assert (dl / ".cache" / "huggingface").is_dir()
+    rep = audit(dl, trust=load_trust(pub, None, None))
+    assert rep.ok and rep.signature and rep.signature["verified"], rep.failures
+    verifying.Config().use_elliptic_key_verifier(public_key=pub).verify(dl, dl / "model.sig")
+    # a signature that no longer matches the folder is not uploaded
+    prov = json.loads((mosaic_dir / "PROVENANCE.json").read_text())
+    prov["tool"]["version"] += "+edited"
+    (mosaic_dir / "PROVENANCE.json").write_text(json.dumps(prov, indent=1) + "\n")
+    from .test_audit import regenerate_manifest
+
+    sig = (mosaic_dir / "model.sig").read_bytes()
+    (mosaic_dir / "model.sig").unlink()
+    regenerate_manifest(mosaic_dir)
+    (mosaic_dir / "model.sig").write_bytes(sig)
+    before = len(hub.log)
+    for dry in (True, False):
+        with pytest.raises(PublishError) as e:
+            publish(mosaic_dir, "test-org/signed", dry_run=dry)
+        assert "no longer matches" in str(e.value) and "PROVENANCE.json" in str(e.value)
+    assert len(hub.log) == before
+
+
 def test_compare_with_hub_checks_every_file(mosaic_dir: Path) -> None:
     from mosaic.hub.snapshot import HubFile, digest_local
 
@@ -445,6 +497,33 @@ def test_make_release_runs_fetch_build_audit_publish(tmp_path: Path, ckpt_factor
         assert p.stdout.strip().splitlines()[-1] == commit
         assert [m for m, path in fake.log if "/commit/" in path] == ["POST"]
         assert TOKEN not in p.stdout + p.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_release_signs_after_the_audit_and_publishes_the_signature(tmp_path: Path, ckpt_factory) -> None:
+    venv_bin = Path(sys.executable).parent
+    priv, pub = _ec_keys(tmp_path)
+    with FakeHub() as fake:
+        sha = fake.commit(REPO, files_of(ckpt_factory(BASE)))
+        recipe = write_recipe(tmp_path, sha, ckpt_factory(DONOR))
+        env = _env(fake, tmp_path / "home")
+        args = ["make", "-s", "-C", str(ROOT), "release", f"BIN={venv_bin}", "STAMP=pyproject.toml",
+                f"RECIPE={recipe}", "REPO=test-org/srel", f"OUT={tmp_path / 'rel'}"]
+        p = subprocess.run([*args, f"SIGN_KEY={tmp_path / 'absent.pem'}"], env=env, capture_output=True, text=True, timeout=180)
+        assert p.returncode != 0 and "cannot read SIGN_KEY" in p.stderr and "absent.pem" in p.stderr
+        assert not (tmp_path / "rel").exists() and "test-org/srel" not in fake.repos  # nothing ran
+        bad = tmp_path / "bad.pem"
+        bad.write_text("not a key\n")
+        p = subprocess.run([*args, f"SIGN_KEY={bad}"], env=env, capture_output=True, text=True, timeout=180)
+        assert p.returncode != 0 and "mosaic: error:" in p.stderr and "bad.pem" in p.stderr
+        assert "test-org/srel" not in fake.repos  # nothing published unsigned
+        p = subprocess.run([*args, f"SIGN_KEY={priv}", "FORCE=1"], env=env, capture_output=True, text=True, timeout=180)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "mosaic.cli sign" in p.stderr and "--sources" in p.stderr  # the audit against the sources, then the signature
+        commit = fake.repos["test-org/srel"].refs["main"]
+        assert fake.repos["test-org/srel"].commits[commit]["model.sig"] == (tmp_path / "rel" / "model.sig").read_bytes()
+        assert audit(tmp_path / "rel", trust=load_trust(pub, None, None)).signature["verified"]  # type: ignore[index]
+        assert str(priv.read_text().splitlines()[1]) not in p.stdout + p.stderr
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

@@ -93,7 +93,11 @@ def audit_doc(name: str) -> dict:
             "detail": "bytes do not match the SHA-256 in PROVENANCE.json"}
     return {"ok": False, "mosaics": [{"path": f"/m/{name}", "ok": False, "counts": {},
                                       "checks": [{"name": "folder", "ok": True, "failures": []},
-                                                 {"name": "tensors", "ok": False, "failures": [fail]}]}]}
+                                                 {"name": "tensors", "ok": False, "failures": [fail]}]},
+                                     {"path": "/m/signed", "ok": True, "counts": {}, "checks": [],
+                                      "signature": {"file": "model.sig", "present": True, "verified": True,
+                                                    "state": "verified", "method": "key", "files": 3,
+                                                    "by": f"public key /keys/{name}.pub"}}]}
 
 
 def plan_doc(name: str) -> dict:
@@ -118,7 +122,7 @@ RENDERERS = {
                                                                       folder=f"/cache/{n}")]),
     "publish": lambda con, n: render.render_publish(con, SimpleNamespace(
         files=[SimpleNamespace(size=1, name=n)], dry_run=True, repo="org/x", branch="main",
-        commit_message=f"{n}: recipe", deleted=[])),
+        commit_message=f"{n}: recipe", deleted=[], signature=None)),
 }
 
 

@@ -352,3 +352,19 @@ def test_publish_recipe_only_then_rebuild(hub: FakeHub, published_mosaic, tmp_pa
     r = CliRunner().invoke(main, ["rebuild", f"test-org/recipe-only@{res.commit}", "--out", str(tmp_path / "r")])
     assert r.exit_code == 0, r.output
     same_folder(out, tmp_path / "r")
+
+
+def test_a_signed_mosaic_published_recipe_only_rebuilds_and_still_verifies(hub: FakeHub, published_mosaic,  # noqa: F811
+                                                                          tmp_path: Path) -> None:
+    from .test_hub import _ec_keys
+
+    out, _ = published_mosaic
+    priv, pub = _ec_keys(tmp_path)
+    assert CliRunner().invoke(main, ["sign", str(out), "--key", str(priv)]).exit_code == 0
+    res = publish(out, "test-org/signed-recipe-only", recipe_only=True)
+    assert "model.sig" in hub.repos["test-org/signed-recipe-only"].commits[res.commit]
+    r = CliRunner().invoke(main, ["rebuild", f"test-org/signed-recipe-only@{res.commit}", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 0, r.output
+    same_folder(out, tmp_path / "r")
+    r = CliRunner().invoke(main, ["audit", str(tmp_path / "r"), "--key", str(pub)])
+    assert r.exit_code == 0 and "signature: verified model.sig" in r.output, r.output

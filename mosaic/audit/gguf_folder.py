@@ -272,6 +272,7 @@ def audit_gguf(
     total = 0
     for n, size, sha, tdig in parallel_map(one, present, jobs):
         total += size
+        rep.digests[n] = sha
         f = listed[n]
         if f.get("size") != size:
             rep.fail("manifest", f"size {size}, manifest.json says {f.get('size')}", file=n)

@@ -163,6 +163,7 @@ def audit_mosaic(
     tensor_digest: dict[str, str] = {}
     for name, size, sha, tds in parallel_map(one, files, jobs):
         actual[name] = (size, sha)
+        rep.digests[name] = sha
         for t, dg in tds.items():
             if where_tensor.get(t) == name:
                 tensor_digest[t] = dg

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mosaic.errors import MosaicError
+from mosaic.records import HUB_ARTEFACTS, SIGNATURE_NAME
 
 
 @dataclass
@@ -34,6 +35,12 @@ class AuditReport:
     ran: list[str] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    #: every file the walk found (relative names; the signature file and the hub's artefacts left out)
+    files: list[str] = field(default_factory=list)
+    #: the SHA-256 of each file the audit read, so that checking a signature need not read them again
+    digests: dict[str, str] = field(default_factory=dict)
+    #: what is known of the folder's signature (``model.sig``): present, verified, by what
+    signature: dict[str, object] | None = None
 
     @property
     def ok(self) -> bool:
@@ -46,27 +53,26 @@ class AuditReport:
         by_check: dict[str, list[dict]] = defaultdict(list)
         for f in self.failures:
             by_check[f.check].append(f.as_dict())
-        return {
+        doc: dict[str, object] = {
             "path": str(self.path),
             "ok": self.ok,
             "counts": self.counts,
             "checks": [{"name": c, "ok": not by_check.get(c), "failures": by_check.get(c, [])} for c in self.ran],
         }
+        if self.signature is not None:
+            doc["signature"] = self.signature
+        return doc
 
 
 class NotAMosaic(MosaicError):
     """The folder holds no PROVENANCE.json: exit 2."""
 
 
-#: What the hub adds to a downloaded mosaic: its ``.gitattributes`` (LFS rules) and, with
-#: ``--local-dir``, huggingface_hub's own download metadata. Neither is loaded by exllamav3 (it reads
-#: top-level ``*.safetensors`` and the configs), so the audit skips them and counts them, rather than
-#: failing every consumer's download.
-HUB_ARTEFACTS = (".gitattributes", ".cache/huggingface")
-
-
 def walk_folder(root: Path, rep: AuditReport) -> list[str]:
-    """Every regular file below ``root`` as a relative name; links and odd files are failures."""
+    """Every regular file below ``root`` as a relative name; links and odd files are failures.
+
+    The signature file (``model.sig``, written after the manifest) is not among them: it is checked
+    on its own (:mod:`mosaic.signature`)."""
     names: list[str] = []
     ignored = 0
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -80,6 +86,8 @@ def walk_folder(root: Path, rep: AuditReport) -> list[str]:
                     dirnames.remove(entry)
                 continue
             st = os.lstat(p)
+            if rel == SIGNATURE_NAME and stat.S_ISREG(st.st_mode):
+                continue
             if stat.S_ISLNK(st.st_mode):
                 rep.fail("folder", "symbolic link in a mosaic folder (mosaic never writes one)", file=rel)
                 if entry in dirnames:
@@ -90,8 +98,8 @@ def walk_folder(root: Path, rep: AuditReport) -> list[str]:
                 rep.fail("folder", "not a regular file", file=rel)
     if ignored:
         rep.counts["hub_files_ignored"] = ignored
+    rep.files = sorted(names)
     return sorted(names)
-
 
 
 def audit_report_json(reports: list[AuditReport]) -> dict[str, object]:

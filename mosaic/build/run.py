@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mosaic.build.gguf_plan import GGUFPlan, plan_gguf
+from mosaic.build.gguf_write import GGUFWriteResult, write_gguf
 from mosaic.build.layout import BuildPlan, make_plan
 from mosaic.build.provenance import build_provenance, checked_dumps
 from mosaic.build.selection import donor_modules, pick, select
@@ -27,8 +29,9 @@ from mosaic.build.stream import check_markers, read_plan_ranges
 from mosaic.card import render_card
 from mosaic.checkpoint.census import Analysis, analyze
 from mosaic.checkpoint.folder import open_checkpoint
-from mosaic.errors import OutputError, SourceError
+from mosaic.errors import OutputError, RecipeError, SourceError
 from mosaic.faults import point as fault_point
+from mosaic.gguf_sources import is_gguf_recipe
 from mosaic.hashing import sha256_bytes
 from mosaic.hub.partial import PartialSnapshot
 from mosaic.progress import SILENT, Reporter
@@ -44,9 +47,9 @@ SPACE_MARGIN = 64 << 20
 @dataclass
 class BuildResult:
     out_dir: Path
-    plan: BuildPlan
+    plan: BuildPlan | GGUFPlan
     provenance: dict
-    splice: SpliceResult
+    splice: SpliceResult | GGUFWriteResult
     #: bytes read from the hub by ranges, per streamed source (headers and configs included)
     streamed: dict[str, int] = field(default_factory=dict)
 
@@ -169,7 +172,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def _check_space(plan: BuildPlan, parent: Path, link: bool) -> None:
+def _check_space(plan: BuildPlan | GGUFPlan, parent: Path, link: bool) -> None:
     need = plan.bytes_to_write(link) + SPACE_MARGIN
     free = shutil.disk_usage(parent).free
     if free < need:
@@ -222,10 +225,15 @@ def build(
         raise OutputError(f"{parent}: not writable")
     clean_stale_partials(out_dir)
 
+    # A recipe whose base is a GGUF model builds a GGUF mosaic (mosaic.build.gguf_plan / gguf_write).
+    gguf = is_gguf_recipe(recipe)
+    if gguf and stream:
+        raise RecipeError(f"{recipe.file}: --stream reads EXL3 hub sources by ranges; fetch GGUF sources with `mosaic fetch`")
     streamed: dict[str, PartialSnapshot] = {}
-    plan = plan_build(recipe, streamed=streamed, stream=stream, jobs=max(jobs, 8), progress=progress)
+    plan = plan_gguf(recipe) if gguf else plan_build(recipe, streamed=streamed, stream=stream, jobs=max(jobs, 8), progress=progress)
     fault_point("plan")
-    sources_resolved = {sid: a.ckpt.root.resolve() for sid, a in plan.sources.items()}
+    roots = plan.source_roots if gguf else [a.ckpt.root for a in plan.sources.values()]
+    sources_resolved = {str(r): r.resolve() for r in roots}
     o = out_dir.resolve()
     if any(o == r or o in r.parents or r in o.parents for r in sources_resolved.values()):
         raise OutputError(f"{out_dir}: is, contains or lies inside a source folder; choose another output")
@@ -236,11 +244,14 @@ def build(
     old: Path | None = None
     try:
         with _sigterm_as_interrupt():
-            if streamed:
-                read_plan_ranges(plan, streamed, jobs=max(jobs, 8), progress=progress)
-                check_markers(plan, streamed)
-            res = splice(plan, tmp, jobs=jobs, link=link, progress=progress, known=_verified_digests(recipe, streamed))
-            doc = _finish(plan, res, tmp, unverified={sid: set(s.unverified()) for sid, s in streamed.items()})
+            if gguf:
+                res, doc = write_gguf(plan, tmp, jobs=jobs, progress=progress)
+            else:
+                if streamed:
+                    read_plan_ranges(plan, streamed, jobs=max(jobs, 8), progress=progress)
+                    check_markers(plan, streamed)
+                res = splice(plan, tmp, jobs=jobs, link=link, progress=progress, known=_verified_digests(recipe, streamed))
+                doc = _finish(plan, res, tmp, unverified={sid: set(s.unverified()) for sid, s in streamed.items()})
             _fsync_dir(tmp)
             fault_point("rename")
             if out_dir.exists():

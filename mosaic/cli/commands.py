@@ -80,21 +80,34 @@ def census(directory: Path, as_json: bool) -> None:
     """Inspect one checkpoint: tensors, shards, codebook, bits per layer and module, problems.
 
     DIRECTORY is a folder, or org/name@<40-hex commit>: from the local cache if it is there, else only
-    its configs and shard headers are read from the hub, by ranges (the bytes read are reported). Exit 0 with no problems, 1 with problems, 2 when the checkpoint cannot be read.
+    its configs and shard headers are read from the hub, by ranges (the bytes read are reported). It may
+    also be a GGUF model: a .gguf file, a split set's first file, or a folder holding one GGUF model
+    (tensor types, bits per layer from each tensor's type). Exit 0 with no problems, 1 with problems,
+    2 when the checkpoint cannot be read.
     """
     from mosaic.checkpoint.census import analyze, census_report
     from mosaic.checkpoint.folder import open_checkpoint
+    from mosaic.checkpoint.gguf_model import is_gguf_location
     from mosaic.cli.render import render_census
 
-    folder, snap = _census_folder(directory)
-    rep = census_report(analyze(open_checkpoint(folder, headers_only=snap is not None)))
-    if snap is not None:
-        rep["path"] = str(directory)
-        rep["hub_bytes_read"] = snap.reader.bytes_read
+    if directory.exists() and is_gguf_location(directory):  # a .gguf file, a split set's first file, a folder of one GGUF model
+        from mosaic.checkpoint.gguf_census import gguf_census
+        from mosaic.checkpoint.gguf_model import open_gguf_model
+        from mosaic.cli.render import render_gguf_census
+
+        rep = gguf_census(open_gguf_model(directory))
+        render = render_gguf_census
+    else:
+        folder, snap = _census_folder(directory)
+        rep = census_report(analyze(open_checkpoint(folder, headers_only=snap is not None)))
+        if snap is not None:
+            rep["path"] = str(directory)
+            rep["hub_bytes_read"] = snap.reader.bytes_read
+        render = render_census
     if as_json:
         _emit_json(rep)
     else:
-        render_census(_console(), rep)
+        render(_console(), rep)
     sys.exit(1 if rep["problems"] else 0)
 
 
@@ -141,7 +154,8 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
 
 
 @main.command()
-@click.option("--base", "base", required=True, metavar="SRC", help="The base: a folder or org/name@<40-hex commit>.")
+@click.option("--base", "base", required=True, metavar="SRC",
+              help="The base: a folder or org/name@<40-hex commit>; for GGUF a .gguf file, a folder of one model, or org/name@<commit>:<file or glob>.")
 @click.option("--donor", "donors", multiple=True, required=True, metavar="ID=SRC", help="A donor (repeatable; order = measurement alternatives).")
 @click.option("--scores", "scores", required=True, type=click.Path(path_type=Path), help="Per-layer scores (JSON or CSV) or exllamav3's measurement JSON.")
 @click.option("--max-size", "max_size", metavar="SIZE", help="Budget: total .safetensors bytes (K/M/G/T = 10^3.., KiB/MiB/GiB/TiB = 1024^..).")
@@ -168,11 +182,19 @@ def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None,
         unit=unit,
         out=out,
     )
-    res = plan_mosaic(req)
-    if as_json:
-        _emit_json(res.report)
+    from mosaic.plan.gguf_planner import is_gguf_src
+
+    if is_gguf_src(base):  # a .gguf file, a folder of one GGUF model, or org/name@<commit>:<file>
+        from mosaic.plan.gguf_planner import plan_gguf_mosaic
+
+        report, _, _, notes = plan_gguf_mosaic(req)
     else:
-        render_plan(_console(), res.report, res.notes, str(out) if out else None)
+        res = plan_mosaic(req)
+        report, notes = res.report, res.notes
+    if as_json:
+        _emit_json(report)
+    else:
+        render_plan(_console(), report, notes, str(out) if out else None)
 
 
 @main.command()
@@ -187,20 +209,31 @@ def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None,
     help="Also compare every tensor with its source, resolved from RECIPE (the recipe file the build used) "
     "or, without RECIPE, from mosaic-recipe.yaml with paths relative to the current directory.",
 )
+@click.option("--key", "key", type=click.Path(path_type=Path), default=None, metavar="PUBLIC_KEY",
+              help="Verify the signature (model.sig) with this PEM public key, besides every other check.")
+@click.option("--identity", default=None, help="Verify a Sigstore signature: the signer's identity (e.g. an e-mail address).")
+@click.option("--issuer", default=None, help="Verify a Sigstore signature: the identity's OpenID Connect issuer.")
+@click.option("--require-signature", "require_signature", is_flag=True,
+              help="Fail when the folder has no signature, or one not verified with --key or --identity/--issuer.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files read at once (default: number of cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
-def audit(directory: Path, sources: str | None, jobs: int | None, as_json: bool) -> None:
+def audit(directory: Path, sources: str | None, key: Path | None, identity: str | None, issuer: str | None,
+          require_signature: bool, jobs: int | None, as_json: bool) -> None:
     """Verify a built mosaic from its files alone (or every mosaic below DIRECTORY).
 
-    Exit 0 when every check passes, 1 when any fails, 2 when DIRECTORY is not a mosaic.
+    A signature (model.sig, from `mosaic sign`) is verified with --key or --identity/--issuer;
+    without them the audit reports it present but unverified. Exit 0 when every check passes, 1 when
+    any fails, 2 when DIRECTORY is not a mosaic or a key cannot be used.
     """
     from mosaic.audit.report import NotAMosaic, audit_report_json
     from mosaic.audit.run import audit as run_audit
     from mosaic.audit.run import find_mosaics
     from mosaic.cli.render import render_audit
     from mosaic.progress import reporter
+    from mosaic.signature import load_trust
 
+    trust = load_trust(key, identity, issuer)
     folders = find_mosaics(directory) if directory.is_dir() else []
     if not folders:
         raise NotAMosaic(f"{directory}: no mosaic here (no PROVENANCE.json, nor manifest.json with .gguf files, in it or below it)")
@@ -208,13 +241,87 @@ def audit(directory: Path, sources: str | None, jobs: int | None, as_json: bool)
     reports = []
     with reporter(False if as_json else None) as progress:
         for f in folders:
-            reports.append(run_audit(f, sources=src, jobs=jobs, progress=progress))
+            reports.append(run_audit(f, sources=src, jobs=jobs, progress=progress, trust=trust,
+                                     require_signature=require_signature))
     doc = audit_report_json(reports)
     if as_json:
         _emit_json(doc)
     else:
         render_audit(_console(), doc)
     sys.exit(0 if doc["ok"] else 1)
+
+
+def _passphrase(key: Path, password_file: Path | None) -> str | None:
+    """A private key's passphrase: from --password-file, MOSAIC_KEY_PASSWORD, or typed on a terminal."""
+    import os
+
+    from mosaic.signature import SigningError
+
+    if password_file is not None:
+        try:
+            return password_file.read_text(encoding="utf-8").rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SigningError(f"{password_file}: --password-file: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if os.environ.get("MOSAIC_KEY_PASSWORD"):
+        return os.environ["MOSAIC_KEY_PASSWORD"]
+    if sys.stdin.isatty():
+        return click.prompt(f"passphrase for {key}", hide_input=True, default="", show_default=False, err=True)
+    return None
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--key", "key", type=click.Path(path_type=Path), default=None, metavar="PRIVATE_KEY",
+              help="PEM elliptic-curve private key (P-256, P-384 or P-521). An encrypted key's passphrase comes from "
+              "--password-file, MOSAIC_KEY_PASSWORD, or the terminal.")
+@click.option("--password-file", "password_file", type=click.Path(path_type=Path), default=None,
+              help="File holding the private key's passphrase (its first line).")
+@click.option("--sigstore", is_flag=True,
+              help="Sign keylessly with Sigstore instead (network, and an OpenID Connect identity: ambient "
+              "credentials in CI, else a browser sign-in).")
+@click.option(
+    "--sources",
+    "sources",
+    is_flag=False,
+    flag_value="-",
+    default=None,
+    metavar="[RECIPE]",
+    help="Audit every tensor against its source too before signing (as `mosaic audit --sources`).",
+)
+@click.option("--force", is_flag=True, help="Replace an existing model.sig.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files read at once (default: number of cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+@_guarded
+def sign(directory: Path, key: Path | None, password_file: Path | None, sigstore: bool, sources: str | None,
+         force: bool, jobs: int | None, as_json: bool) -> None:
+    """Sign a mosaic folder (or GGUF export) with OpenSSF model signing: DIRECTORY/model.sig.
+
+    The folder is audited first (every byte read once) and signed only if every check passes, over the
+    digests of that read: every file but model.sig and the hub's .cache/huggingface/ records. Exit 0
+    when signed, 1 when the audit fails, 2 on a key, passphrase or option problem.
+    """
+    from mosaic.progress import reporter
+    from mosaic.sign import sign as run_sign
+    from mosaic.signature import Signer, SigningError, Sigstore, load_signing_key
+
+    if (key is None) == (not sigstore):
+        raise SigningError("give --key PRIVATE_KEY, or --sigstore for keyless signing (one of them)")
+    if password_file is not None and key is None:
+        raise SigningError("--password-file goes with --key")
+    signer: Signer = Sigstore() if key is None else load_signing_key(key, lambda: _passphrase(key, password_file))
+    src: bool | str = False if sources is None else (True if sources == "-" else sources)
+    with reporter(False if as_json else None) as progress:
+        res = run_sign(directory, signer, sources=src, force=force, jobs=jobs, progress=progress)
+    if as_json:
+        _emit_json(res.as_dict())
+        return
+    from mosaic.literal import printable
+
+    c = res.report.counts
+    click.echo(f"audit passed: {printable(directory)} ({c.get('files', 0)} files, {c.get('bytes', 0):,} bytes read once)")
+    click.echo(f"signed {printable(res.signed.path)}: {res.signed.files} files, with {printable(res.signed.by)}")
+    how = "--key PUBLIC_KEY" if key else "--identity IDENTITY --issuer ISSUER"
+    click.echo(f"verify with: mosaic audit {printable(directory)} {how}")
 
 
 @main.group()
@@ -344,6 +451,41 @@ def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | 
         _emit_json(res.as_dict())
     else:
         render_rebuild(_console(), res)
+
+
+@main.command("eval")
+@click.argument("candidates", nargs=-1, required=True, metavar="CANDIDATE...")
+@click.option("--reference", "reference", required=True, metavar="REF",
+              help="The teacher: a model (GGUF file or folder, EXL3 folder), or a reference saved with --save-reference (.npz).")
+@click.option("--text", "text", required=True, type=click.Path(path_type=Path),
+              help="The pre-registered rows: one text per non-empty line, or JSONL with a \"text\" field.")
+@click.option("--ctx", type=click.IntRange(2, 1 << 20), default=None, help="Tokens per window (default 512, or the saved reference's).")
+@click.option("--top-k", "top_k", type=click.IntRange(1, 1 << 16), default=None,
+              help="Teacher log-probabilities kept per position (default 32, or the saved reference's).")
+@click.option("--save-reference", "save_reference", type=click.Path(path_type=Path), default=None,
+              help="Keep the live teacher's top-k (with the text's digest and the tokenizer's identity) in this .npz file.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
+@_guarded
+def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int | None, top_k: int | None,
+             save_reference: Path | None, as_json: bool) -> None:
+    """Score CANDIDATEs against a teacher on the same tokens: the quality panel of a mosaic.
+
+    Per candidate: top-1 agreement with the teacher, KL(teacher || candidate) (exact with a live teacher,
+    the KL lower bound from a saved top-k) with mean/p50/p95/p99/max, the text's own NLL, the same per row;
+    and from the first candidate to each later one, rows improved / regressed on top-1, KL and NLL.
+    GGUF models run on llama.cpp (CPU); EXL3 folders on exllamav3 (the exl3 extra and a CUDA GPU).
+    """
+    from mosaic.cli.render import render_eval
+    from mosaic.eval.run import EvalRequest, evaluate
+    from mosaic.progress import reporter
+
+    req = EvalRequest(list(candidates), reference, text, ctx, top_k, save_reference)
+    with reporter(False if as_json else None, unit="tokens") as progress:
+        doc = evaluate(req, progress)
+    if as_json:
+        _emit_json(doc)
+    else:
+        render_eval(_console(), doc)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,15 @@ def _bits(v: list) -> str:
     return "/".join(f"{b:g}" for b in v) if v else "-"
 
 
+def _render_problems(console: Console, problems: list[str]) -> None:
+    if problems:
+        console.print(f"[red bold]{len(problems)} problem(s):[/red bold]")
+        for p in problems:
+            console.print(f"  [red]✗[/red] {lit(p)}")
+    else:
+        console.print("[green]no problems found[/green]")
+
+
 def render_census(console: Console, rep: dict) -> None:
     books = ", ".join(f"{lit(k)} ({v})" for k, v in rep["codebooks"].items()) or "none"
     rate = rep["rate"]
@@ -106,12 +115,39 @@ def render_census(console: Console, rep: dict) -> None:
         console.print(f"[yellow]note:[/yellow] {lit(n)}")
     if "hub_bytes_read" in rep:
         console.print(f"read {rep['hub_bytes_read']:,} bytes from the hub by ranges (configs and shard headers only)")
-    if rep["problems"]:
-        console.print(f"[red bold]{len(rep['problems'])} problem(s):[/red bold]")
-        for p in rep["problems"]:
-            console.print(f"  [red]✗[/red] {lit(p)}")
-    else:
-        console.print("[green]no problems found[/green]")
+    _render_problems(console, rep["problems"])
+
+
+def render_gguf_census(console: Console, rep: dict) -> None:
+    """A GGUF model's census: files, types, bits per layer and module group (from each tensor's type)."""
+    rate = rep["rate"]
+    console.print(f"[bold]{lit(rep['path'])}[/bold]")
+    console.print(
+        f"GGUF {lit(rep['architecture'])}: {rep['tensors']:,} tensors in {len(rep['files'])} file(s), "
+        f"{rep['bytes']['files']:,} bytes ({human_bytes(rep['bytes']['files'])}); {rep['metadata_keys']} metadata keys; "
+        f"general.file_type {lit(rep['file_type'])}"
+    )
+    console.print(f"{_rate(rate['all'])} bits per weight over all tensors, {_rate(rate['layers'])} over the blk.N layers")
+    types = Table(title="tensor types", show_edge=False)
+    for col in ("type", "bits", "tensors", "bytes"):
+        types.add_column(col, justify="right")
+    for k, v in rep["types"].items():
+        types.add_row(lit(k), f"{v['bits']:g}", f"{v['tensors']:,}", f"{v['bytes']:,}")
+    console.print(types)
+    groups = sorted({g for row in rep["layers"] for g in row["groups"]})
+    t = Table(title="bits per layer and module group", show_edge=False)
+    t.add_column("layer", justify="right")
+    for g in groups:
+        t.add_column(g, justify="center")
+    t.add_column("rate", justify="right")
+    for row in rep["layers"]:
+        cells = []
+        for g in groups:
+            c = row["groups"].get(g)
+            cells.append("" if c is None else f"{_rate(c['bits'])} {lit('/'.join(c['types']))}")
+        t.add_row(str(row["layer"]), *cells, _rate(row["rate"]))
+    console.print(t)
+    _render_problems(console, rep["problems"])
 
 
 def render_build(console: Console, s: dict) -> None:
@@ -121,8 +157,9 @@ def render_build(console: Console, s: dict) -> None:
         f"{s['size']['shards']:,} bytes ({human_bytes(s['size']['shards'])}) in {len(s['shards'])} shard(s); "
         f"{s['tensors']:,} tensors, {s['from_donors']:,} from donors"
     )
+    config = f" (config bits {rate['config_bits']})" if rate.get("config_bits") is not None else ""
     console.print(
-        f"rate: exact {_rate(rate['exact'])} bpw (config bits {rate['config_bits']}), by bytes {_rate(rate['by_bytes'])}, "
+        f"rate: exact {_rate(rate['exact'])} bpw{config}, by bytes {_rate(rate['by_bytes'])}, "
         f"by layer mass {_rate(rate['by_layer_mass'])}; base {_rate(rate['base'])}"
     )
     t = Table(show_edge=False)
@@ -158,6 +195,7 @@ def render_audit(console: Console, doc: dict) -> None:
             for ch in m["checks"]:
                 for f in ch["failures"]:
                     console.print("FAIL " + ": ".join(lit(x) for x in (ch["name"], *_failure_parts(f), f["detail"])))
+            render_signature(console, m.get("signature"))
             continue
         t = Table(show_edge=False)
         t.add_column("check")
@@ -170,11 +208,28 @@ def render_audit(console: Console, doc: dict) -> None:
                 shown += f" (+{len(fails) - 3} more)"
             t.add_row(lit(ch["name"]), "[green]pass[/green]" if ch["ok"] else f"[red]FAIL ({len(fails)})[/red]", shown)
         console.print(t)
+        render_signature(console, m.get("signature"))
     n_fail = sum(1 for m in doc["mosaics"] if not m["ok"])
     if n_fail:
         console.print(f"[red bold]audit failed[/red bold]: {n_fail} of {len(doc['mosaics'])} mosaic(s) have problems")
     else:
         console.print(f"[green bold]audit passed[/green bold]: {len(doc['mosaics'])} mosaic(s), every check")
+
+
+def render_signature(console: Console, sig: dict | None) -> None:
+    """One line on the folder's signature; a signature nobody checked is never called verified."""
+    if sig is None:
+        return
+    state, name = sig["state"], lit(sig["file"])
+    if state == "verified":
+        console.print(f"signature: [green]verified[/green] {name} ({sig['files']} files) with {lit(sig['by'])}")
+    elif state == "unverified":
+        console.print(f"signature: [yellow]{name} present, NOT verified[/yellow] "
+                      "(give --key PUBLIC_KEY, or --identity and --issuer, to verify it)")
+    elif state == "failed":
+        console.print(f"signature: [red]{name} FAILED verification[/red] (see the signature check)")
+    else:
+        console.print("signature: none (the folder is not signed)")
 
 
 def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) -> None:
@@ -240,6 +295,12 @@ def render_publish(console: Console, res: PublishResult) -> None:
         console.print(f"  {f.size:>16,}  {lit(f.name)}")
     for n in res.deleted:
         console.print(f"  {'deleted':>16}  {lit(n)}")
+    if res.signature:
+        console.print(f"signed ({lit(res.signature)}): verify a download with `mosaic audit DIR --key PUBLIC_KEY` "
+                      "(or --identity/--issuer for a Sigstore signature), or with model_signing alone: "
+                      f"`model_signing verify key DIR --signature DIR/{lit(res.signature)} --public_key PUBLIC_KEY`")
+    else:
+        console.print("not signed: `mosaic sign DIRECTORY --key PRIVATE_KEY` before publishing adds model.sig")
     if not res.dry_run:
         console.print("hub digests of every uploaded file match sha256-manifest.txt")
 
@@ -252,3 +313,21 @@ def render_rebuild(console: Console, res: RebuildResult) -> None:
         console.print(f"  read {n:,} bytes from the hub: {what}")
     for sid, path in res.local_sources.items():
         console.print(f"  source {lit(sid)} from {lit(path)}")
+
+
+def render_eval(console: Console, doc: dict) -> None:
+    console.print(f"[bold]reference[/bold] {lit(doc['reference'])} ({lit(doc['reference_kind'])}); "
+                  f"{doc['rows']} rows, {doc['tokens']:,} tokens, {doc['positions']:,} positions, windows of {doc['ctx']}")
+    kind = "KL" if doc["candidates"] and doc["candidates"][0]["kl"]["exact"] else "KL lower bound"
+    t = Table(show_edge=False)
+    for col in ("candidate", "top-1", f"{kind} mean", "p50", "p95", "p99", "max", "NLL"):
+        t.add_column(col, justify="left" if col == "candidate" else "right")
+    for c in doc["candidates"]:
+        k = c["kl"]
+        t.add_row(lit(c["model"]), f"{c['top1']:.5f}", f"{k['mean']:.5f}", f"{k['p50']:.4g}", f"{k['p95']:.4g}",
+                  f"{k['p99']:.4g}", f"{k['max']:.4g}", f"{c['nll']:.5f}")
+    console.print(t)
+    for cmp in doc["comparisons"]:
+        parts = [f"{name}: {cmp[key]['improved']} improve, {cmp[key]['regressed']} regress"
+                 for key, name in (("top1", "top-1"), ("kl", "KL"), ("nll", "NLL"))]
+        console.print(f"{lit(cmp['from'])} → {lit(cmp['to'])} over {doc['rows']} rows: " + "; ".join(parts))

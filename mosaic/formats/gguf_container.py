@@ -41,6 +41,25 @@ PLAIN_TYPES: dict[int, tuple[str, int, int]] = {
 #: safetensors dtype -> ggml type id (tensors that keep their dtype)
 GGML_TYPE_OF_DTYPE = {"F32": 0, "F16": 1, "I8": 24, "I16": 25, "I32": 26, "I64": 27, "F64": 28, "BF16": 30}
 
+
+
+def _ggml_quant_types() -> dict[int, tuple[str, int, int]]:
+    """llama.cpp's quantized types (Q4_0, Q8_0, Q4_K, IQ2_XS, ...) from gguf-py's own table, which
+    follows ggml's: id -> (name, block size, type size). The plain types above stay this module's own;
+    a GGUF mosaic copies every other type's blocks byte for byte and needs only their sizes."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    out = {}
+    for t in GGMLQuantizationType:
+        if int(t) not in PLAIN_TYPES and t in GGML_QUANT_SIZES:
+            bs, ts = GGML_QUANT_SIZES[t]
+            out[int(t)] = (t.name, bs, ts)
+    return out
+
+
+#: ggml's quantized types: id -> (name, block size, type size)
+QUANT_TYPES: dict[int, tuple[str, int, int]] = _ggml_quant_types()
+
 EXL3_BASE = 256
 EXL3_CODEBOOKS = ("mul1", "mcg", "3inst")
 EXL3_BLOCK = 128
@@ -74,6 +93,8 @@ def exl3_bits2(type_id: int) -> int | None:
 def type_name(type_id: int) -> str:
     if type_id in PLAIN_TYPES:
         return PLAIN_TYPES[type_id][0]
+    if type_id in QUANT_TYPES:
+        return QUANT_TYPES[type_id][0]
     b2 = exl3_bits2(type_id)
     if b2 is not None:
         cb = EXL3_CODEBOOKS[(type_id - EXL3_BASE) // 16]
@@ -85,6 +106,8 @@ def type_block(type_id: int) -> tuple[int, int] | None:
     """(block size in values, bytes per block), None for a type this module does not know."""
     if type_id in PLAIN_TYPES:
         return PLAIN_TYPES[type_id][1:]
+    if type_id in QUANT_TYPES:
+        return QUANT_TYPES[type_id][1:]
     b2 = exl3_bits2(type_id)
     if b2 is not None:
         return EXL3_BLOCK, 8 * b2  # 128 values * bits / 8
@@ -102,6 +125,14 @@ def tensor_nbytes(type_id: int, ne: tuple[int, ...]) -> int:
     for d in ne:
         n *= d
     return n // bs * ts
+
+
+def type_bits(type_id: int) -> float:
+    """Bits per weight of a type (8 * type size / block size): 8.5 for Q8_0, 4.5 for Q4_0."""
+    bs, ts = type_block(type_id) or (0, 0)
+    if not bs:
+        raise ValueError(f"unknown ggml type {type_id}")
+    return 8 * ts / bs
 
 
 def align(n: int, a: int = ALIGNMENT) -> int:
@@ -161,9 +192,10 @@ class Layout:
         return len(self.header)
 
 
-def layout(kvs: list[KV], tensors: list[tuple[str, tuple[int, ...], int, int]]) -> Layout:
+def layout(kvs: list[KV], tensors: list[tuple[str, tuple[int, ...], int, int]], alignment: int = ALIGNMENT) -> Layout:
     """Lay out one file: ``tensors`` as (name, ne, type id, nbytes), in file order. Each tensor's data
-    is padded to the alignment, like gguf-py and llama-gguf-split write it."""
+    is padded to the alignment, like gguf-py and llama-gguf-split write it (``alignment`` must equal
+    the file's ``general.alignment`` when it has one)."""
     keys = [kv.key for kv in kvs]
     if len(set(keys)) != len(keys):
         raise ValueError("duplicate metadata key")
@@ -177,14 +209,14 @@ def layout(kvs: list[KV], tensors: list[tuple[str, tuple[int, ...], int, int]]) 
         if tensor_nbytes(type_id, ne) != nbytes:
             raise ValueError(f"tensor {name!r}: {nbytes} bytes do not match {type_name(type_id)} {list(ne)}")
         infos.append(TensorInfo(name, tuple(ne), type_id, off, nbytes))
-        off = align(off + nbytes)
+        off = align(off + nbytes, alignment)
     head = bytearray(MAGIC + struct.pack("<IQQ", VERSION, len(infos), len(kvs)))
     for kv in kvs:
         head += encode_kv(kv)
     for t in infos:
         head += _str(t.name) + struct.pack("<I", len(t.ne)) + struct.pack(f"<{len(t.ne)}Q", *t.ne)
         head += struct.pack("<iQ", t.type_id, t.offset)
-    head += b"\0" * (align(len(head)) - len(head))
+    head += b"\0" * (align(len(head), alignment) - len(head))
     return Layout(bytes(head), tuple(infos), len(head) + off)
 
 
@@ -265,16 +297,33 @@ def _read_value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[objec
     return v, None
 
 
+#: The first read of a header; a larger header (a big vocabulary) is read again with twice as much.
+FIRST_READ = 16 << 20
+
+
 def read_gguf(path: str | os.PathLike[str], max_header: int = 1 << 30) -> GGUFFile:
+    """Parse a GGUF file's header, reading only as much of the file as the header needs (starting
+    with :data:`FIRST_READ` bytes, doubling up to ``max_header``): a multi-GB file costs a few MB."""
+    p = str(path)
+    size = os.path.getsize(p)
+    want = min(size, FIRST_READ, max_header)
+    while True:
+        with open(p, "rb") as f:
+            data = f.read(want)
+        try:
+            return _parse_gguf(p, data, size)
+        except GGUFError as e:
+            if e.rule != "truncated" or want >= min(size, max_header):
+                raise
+            want = min(size, max_header, want * 2)
+
+
+def _parse_gguf(p: str, data: bytes, size: int) -> GGUFFile:
     """Parse and validate a GGUF v3 file's header and tensor infos; tensor data is never read.
 
     Checks: magic, version, key and tensor-name uniqueness, known value types, UTF-8, tensor infos
     (dims, known types, sizes), ``general.alignment``, offsets aligned and tiling the data section
     in order without holes or overlaps, and the file size (the last tensor padded, or not)."""
-    p = str(path)
-    size = os.path.getsize(p)
-    with open(p, "rb") as f:
-        data = f.read(min(size, max_header))
     c = _Cursor(p, data)
     if c.take(4, "the magic") != MAGIC:
         raise GGUFError(p, "magic", "not a GGUF file (magic is not 'GGUF')")
@@ -318,7 +367,7 @@ def read_gguf(path: str | os.PathLike[str], max_header: int = 1 << 30) -> GGUFFi
         type_id, offset = c.unpack("<iQ", f"the type and offset of {name!r}")
         infos.append((name, tuple(ne), type_id, offset))
     data_start = align(c.pos, alignment)
-    if data_start > size:
+    if data_start > size or data_start > len(data):
         raise GGUFError(p, "truncated", "file ends before the data section")
     if any(data[c.pos : data_start]):
         raise GGUFError(p, "padding", "non-zero bytes in the padding before the data section")

@@ -11,7 +11,9 @@ It must never download anything that is not pinned to a full 40-hex commit, nor 
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,28 @@ def _discard(path: Path, storage: Path | None) -> None:
         pass
 
 
+_SPLIT_RE = re.compile(r"^(?P<stem>.+)-\d{5}-of-(?P<count>\d{5})\.gguf$")
+
+
+def select_files(names: list[str] | set[str], patterns: list[str]) -> set[str]:
+    """The files of a repo that GGUF ``file`` patterns name: names matching a pattern (or inside a
+    folder it names), and every part of a split set one of whose parts matches. A GGUF repository
+    holds many quantizations; only the recipe's are downloaded."""
+    names = set(names)
+    out: set[str] = set()
+    for pat in patterns:
+        hit = {n for n in names if fnmatch.fnmatchcase(n, pat)}
+        if not hit and not any(c in pat for c in "*?["):
+            hit = {n for n in names if n.startswith(pat.rstrip("/") + "/")}
+        out |= hit
+    for n in list(out):
+        m = _SPLIT_RE.match(n)
+        if m:
+            count = int(m["count"])
+            out |= {f"{m['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)} & names
+    return out
+
+
 def fetch_snapshot(
     repo: str,
     revision: str,
@@ -87,12 +111,14 @@ def fetch_snapshot(
     jobs: int | None = None,
     progress: Reporter = SILENT,
     show_hub_progress: bool = False,
+    files: list[str] | None = None,
 ) -> FetchedSnapshot:
     """Download ``repo`` at the pinned ``revision`` (or find it in the cache offline) and verify every file.
 
     Raises SourceError (exit 2) for an unpinned revision, an unreachable hub or an incomplete snapshot
     offline, and VerificationError (exit 1) when a file's bytes differ from the hub's digest (the file
-    is removed, so that fetching again downloads it again).
+    is removed, so that fetching again downloads it again). ``files``: GGUF ``file`` patterns; only
+    the files they name are downloaded and verified (:func:`select_files`), and naming none is an error.
     """
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError
@@ -106,6 +132,8 @@ def fetch_snapshot(
     if offline:
         folder = ldir if ldir is not None else cache_snapshot_folder(repo, revision)
         listing = listing_from_record(previous) if previous else cached_tree(repo, revision, ldir)
+        if listing is not None and files is not None:
+            listing = _only(listing, files, repo, revision)
         if not folder.is_dir():
             raise SourceError(
                 f"{repo}@{revision}: not in {'the folder ' + str(folder) if ldir else 'the Hugging Face cache'} "
@@ -118,9 +146,12 @@ def fetch_snapshot(
             )
     else:
         listing = hub_listing(repo, revision)
+        if files is not None:
+            listing = _only(listing, files, repo, revision)
         try:
             with hub_progress(show_hub_progress):
-                got = snapshot_download(repo_id=repo, revision=revision, local_dir=ldir)
+                got = snapshot_download(repo_id=repo, revision=revision, local_dir=ldir,
+                                        allow_patterns=sorted(listing) if files is not None else None)
         except IncompleteSnapshotError as e:
             raise SourceError(f"{repo}@{revision}: {e}") from None
         except LocalEntryNotFoundError as e:
@@ -181,6 +212,14 @@ def fetch_snapshot(
     )
 
 
+def _only(listing: dict[str, Any], patterns: list[str], repo: str, revision: str) -> dict[str, Any]:
+    for pat in patterns:
+        if not select_files(set(listing), [pat]):
+            raise SourceError(f"{repo}@{revision}: file {pat!r} names no file of the repository")
+    keep = select_files(set(listing), patterns)
+    return {n: h for n, h in listing.items() if n in keep}
+
+
 def fetch_dir_for(local_dir: str | Path, repo: str, revision: str) -> Path:
     """Where ``mosaic fetch --local-dir DIR`` puts one source: ``DIR/<org>/<name>@<revision>``."""
     org, name = repo.split("/", 1)
@@ -199,15 +238,21 @@ def fetch(
     from mosaic.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
-    seen: dict[tuple[str, str], None] = {}
+    # per pinned commit: the GGUF file patterns it is named with, or None when any source takes it whole
+    seen: dict[tuple[str, str], list[str] | None] = {}
     for spec in (recipe.base, *recipe.donors.values()):
         if spec.repo is not None:
-            seen[(spec.repo, require_pinned(spec.repo, spec.revision))] = None
+            key = (spec.repo, require_pinned(spec.repo, spec.revision))
+            if spec.file is None:
+                seen[key] = None
+            elif key not in seen or seen[key] is not None:
+                seen[key] = [*(seen.get(key) or []), spec.file]
     out = []
-    for repo, rev in seen:
+    for (repo, rev), patterns in seen.items():
         target = fetch_dir_for(local_dir, repo, rev) if local_dir is not None else None
         out.append(
-            fetch_snapshot(repo, rev, local_dir=target, jobs=jobs, progress=progress, show_hub_progress=show_hub_progress)
+            fetch_snapshot(repo, rev, local_dir=target, jobs=jobs, progress=progress, show_hub_progress=show_hub_progress,
+                           files=patterns)
         )
     return out
 

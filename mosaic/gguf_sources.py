@@ -1,0 +1,72 @@
+"""A recipe's GGUF sources: which format a recipe is in, and each source's model, offline.
+
+A GGUF source is a ``path`` (a ``.gguf`` file, the first file of a split set, or a folder holding one
+model) or a ``repo`` + ``revision``, either narrowed by ``file`` (a name or glob inside the folder or
+repo: GGUF repositories hold many quantizations). A repo source comes from the local Hugging Face
+cache: only the files of the named quantization need to be there (``mosaic fetch`` downloads only
+those); a missing part is named. Nothing here touches the network or writes anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mosaic.checkpoint.gguf_model import GGUFModel, is_gguf_location, open_gguf_model
+from mosaic.errors import RecipeError, SourceError
+from mosaic.recipe import Recipe, SourceSpec
+
+
+def _location(spec: SourceSpec, relative_to: Path) -> Path:
+    if spec.repo is not None:
+        from mosaic.hub.snapshot import cache_snapshot_folder, require_pinned
+
+        require_pinned(spec.repo, spec.revision)
+        return cache_snapshot_folder(spec.repo, spec.revision or "")
+    assert spec.path is not None
+    p = Path(spec.path).expanduser()
+    return p if p.is_absolute() else relative_to / p
+
+
+def is_gguf_source(spec: SourceSpec, relative_to: Path) -> bool:
+    """Does this source name a GGUF model (a ``file``, a ``.gguf`` path, a folder of ``.gguf`` files)?"""
+    if spec.file is not None:
+        return True
+    if spec.repo is not None:
+        folder = _location(spec, relative_to)
+        return folder.is_dir() and is_gguf_location(folder)
+    return is_gguf_location(_location(spec, relative_to))
+
+
+def is_gguf_recipe(recipe: Recipe, relative_to: Path | None = None) -> bool:
+    """Is this a GGUF recipe? Decided by the base; every donor must then be GGUF too, and the reverse.
+
+    GGUF-only fields (``file``, ``output.split_max_size``) in an EXL3 recipe, and EXL3-only ones
+    (``output.exclude``) in a GGUF recipe, are refused naming the field."""
+    rel = recipe.folder if relative_to is None else relative_to
+    kinds = {sid: is_gguf_source(spec, rel) for sid, spec in recipe.sources.items()}
+    gguf = kinds["base"]
+    for sid, k in kinds.items():
+        if k != gguf:
+            field = "base" if sid == "base" else f"donors.{sid}"
+            what = "a GGUF model" if k else "an EXL3 folder"
+            base_what = "a GGUF model" if gguf else "an EXL3 folder"
+            raise RecipeError(f"{recipe.file}: {field}: is {what}, but the base is {base_what}; a mosaic has one format")
+    if not gguf and recipe.split_max_size is not None:
+        raise RecipeError(f"{recipe.file}: output.split_max_size: applies to GGUF mosaics only")
+    if gguf and recipe.exclude:
+        raise RecipeError(f"{recipe.file}: output.exclude: a GGUF mosaic carries only its GGUF files; remove it")
+    return gguf
+
+
+def open_gguf_source(spec: SourceSpec, relative_to: Path) -> GGUFModel:
+    """The model a GGUF source names; a hub source missing from the cache says how to get it."""
+    where = _location(spec, relative_to)
+    if spec.repo is not None and not where.is_dir():
+        raise SourceError(
+            f"source {spec.id!r}: {spec.repo}@{spec.revision} is not in the local Hugging Face cache; "
+            "download it first with `mosaic fetch RECIPE`"
+        )
+    try:
+        return open_gguf_model(where, spec.file)
+    except SourceError as e:
+        raise SourceError(f"source {spec.id!r} ({spec.describe()}): {e}") from None

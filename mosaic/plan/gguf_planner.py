@@ -1,0 +1,250 @@
+"""``mosaic plan`` for GGUF models: which layers (or layers' routed experts) to take from a donor.
+
+The units are a whole layer (``--unit layer``: every ``blk.N`` tensor) or a layer's routed experts
+(``--unit layer-experts``, the default: the ``ffn_exps`` group). Costs are exact, from each tensor's
+type: a GGUF mosaic's size is its header — which does not depend on the choice, since a tensor info
+has the same size whatever the type — plus every tensor's bytes padded to the alignment, so the size
+of any choice is the base-with-mosaic-header size plus the sum of its units' padded byte deltas,
+and the knapsack over those deltas is exact. ``--target-rate`` bounds bits per weight over all
+tensors (PROVENANCE ``rate.exact``). The same per-layer JSON/CSV scores files as for EXL3; exllamav3's
+measurement JSON ranks EXL3 modules and is refused here. The recipe it writes is checked by the real
+preflight and layout (:func:`mosaic.build.gguf_plan.plan_gguf`): the predicted size is the built size.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from pathlib import Path
+
+import yaml
+
+from mosaic.build.gguf_plan import GGUFPlan, check_same_model, mosaic_keys, plan_gguf
+from mosaic.checkpoint.gguf_model import GGUFModel, is_gguf_location, parse_name
+from mosaic.errors import MosaicError, VerificationError
+from mosaic.formats.gguf_container import align, layout
+from mosaic.gguf_select import GROUPS, module_patterns
+from mosaic.gguf_sources import open_gguf_source
+from mosaic.plan.scores import ScoresError, _layer_key, _number
+from mosaic.plan.solver import Option, Solution, choose_count, greedy, solve_pareto
+from mosaic.plan.units import PlanError
+from mosaic.recipe import _REPO_RE, _REV_RE, Recipe, SourceSpec, component_match, layer_runs, parse_recipe
+
+_HUB_RE = re.compile(r"^(?P<repo>[^@]+)@(?P<rev>[0-9a-f]{40}):(?P<file>.+)$")
+
+
+def is_gguf_src(text: str) -> bool:
+    """A GGUF ``--base``/``--donor``: a .gguf file, a folder of GGUF files, or ``org/name@<commit>:<file>``."""
+    if _HUB_RE.match(text) and not Path(text).exists():
+        return True
+    return is_gguf_location(Path(text))
+
+
+def gguf_source(text: str, what: str, sid: str) -> SourceSpec:
+    m = _HUB_RE.match(text)
+    if m and not Path(text).exists():
+        if not _REPO_RE.match(m["repo"]) or not _REV_RE.match(m["rev"]):
+            raise MosaicError(f"{what}: {text!r} is not org/name@<40-hex commit>:<file or glob>")
+        return SourceSpec(sid, repo=m["repo"], revision=m["rev"], file=m["file"])
+    return SourceSpec(sid, path=text)
+
+
+@dataclass(frozen=True)
+class GUnit:
+    index: int
+    layer: int
+    pattern: str | None
+    tensors: tuple[str, ...]
+
+
+def find_gguf_units(base: GGUFModel, kind: str) -> list[GUnit]:
+    if kind not in ("layer", "layer-experts"):
+        raise MosaicError(f"--unit {kind}: GGUF plans take whole layers (layer) or their routed experts (layer-experts)")
+    by_layer: dict[int, list[str]] = {}
+    for t in base.tensors:
+        layer, rest = parse_name(t.name)
+        if layer is None:
+            continue
+        if kind == "layer-experts" and not any(component_match(rest, p) for p in module_patterns(["ffn_exps"])):
+            continue
+        by_layer.setdefault(layer, []).append(t.name)
+    if not by_layer:
+        raise PlanError(f"{base.describe()}: no layer has routed experts ({', '.join(GROUPS['ffn_exps'])}); use --unit layer")
+    pattern = "ffn_exps" if kind == "layer-experts" else None
+    return [GUnit(i, layer, pattern, tuple(by_layer[layer])) for i, layer in enumerate(sorted(by_layer))]
+
+
+def load_layer_scores(path: Path, units: list[GUnit], donor: str, layers: set[int]) -> tuple[dict[tuple[int, str], Fraction], list[str]]:
+    """Per-layer JSON (``higher_is_better`` + ``scores``) or CSV (``layer,score``): (unit, donor) -> score."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ScoresError(f"{path}: cannot read scores: {e}") from None
+    raw: dict[int, Fraction] = {}
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text, parse_float=Decimal)
+        except ValueError as e:
+            raise ScoresError(f"{path}: not valid JSON: {e}") from None
+        if "groups" in doc and "alts" in doc:
+            raise ScoresError(f"{path}: exllamav3's measurement JSON ranks EXL3 modules; a GGUF plan takes per-layer scores")
+        if set(doc) - {"higher_is_better", "scores"} or not isinstance(doc.get("higher_is_better"), bool) \
+                or not isinstance(doc.get("scores"), dict) or not doc["scores"]:
+            raise ScoresError(f"{path}: a scores file holds higher_is_better (true/false) and scores (layer -> number)")
+        sign = 1 if doc["higher_is_better"] else -1
+        raw = {_layer_key(k, f"{path}: scores"): sign * _number(v, f"{path}: scores[{k!r}]") for k, v in doc["scores"].items()}
+    else:
+        rows = [r for r in csv.reader(io.StringIO(text)) if r and any(c.strip() for c in r)]
+        if not rows or [c.strip().lower() for c in rows[0]] != ["layer", "score"]:
+            raise ScoresError(f"{path}: neither JSON nor CSV with the header line 'layer,score'")
+        for i, r in enumerate(rows[1:], start=2):
+            if len(r) != 2:
+                raise ScoresError(f"{path}: line {i}: expected 2 columns, got {len(r)}")
+            layer = _layer_key(r[0].strip(), f"{path}: line {i}")
+            if layer in raw:
+                raise ScoresError(f"{path}: line {i}: layer {layer} scored twice")
+            try:
+                raw[layer] = Fraction(Decimal(r[1].strip()))
+            except (InvalidOperation, ValueError):
+                raise ScoresError(f"{path}: line {i}: score {r[1]!r} is not a number") from None
+    unit_of = {u.layer: u for u in units}
+    out: dict[tuple[int, str], Fraction] = {}
+    notes = []
+    for layer, score in sorted(raw.items()):
+        if layer not in layers:
+            raise ScoresError(f"{path}: layer {layer} is not in the base (its layers: {min(layers)}-{max(layers)})")
+        if layer not in unit_of:
+            notes.append(f"layer {layer} has a score but no unit of this kind; ignored")
+            continue
+        out[(unit_of[layer].index, donor)] = score
+    if not out:
+        raise ScoresError(f"{path}: no score applies to any unit")
+    return out, notes
+
+
+def _ranges(layers: list[int]) -> list[int | str]:
+    out: list[int | str] = []
+    for a, b in layer_runs(layers):
+        out.extend([f"{a}-{b}"] if b - a >= 2 else range(a, b + 1))
+    return out
+
+
+def _source_doc(spec: SourceSpec, recipe_dir: Path) -> dict[str, str]:
+    extra = {"file": spec.file} if spec.file is not None else {}
+    if spec.repo is not None:
+        return {"repo": spec.repo, "revision": spec.revision or "", **extra}
+    rel = Path(os.path.relpath(Path(spec.path or ".").resolve(), recipe_dir)).as_posix()
+    return {"path": rel, **extra}
+
+
+def _name(spec: SourceSpec, base: GGUFModel) -> str:
+    stem = base.files[0].removesuffix(".gguf")
+    stem = re.sub(r"-\d{5}-of-\d{5}$", "", stem.split("/")[-1])
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip(".-") or "model"
+    return f"{stem}-mosaic"
+
+
+def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
+    """Solve a :class:`mosaic.plan.planner.PlanRequest` whose sources are GGUF; returns the report, the
+    recipe text, the real build plan of it and notes."""
+    r = req  # PlanRequest: base, donors, scores, max_size, target_rate, layers, unit, out
+    modes = [x is not None for x in (r.max_size, r.target_rate, r.layers)]  # type: ignore[attr-defined]
+    if sum(modes) != 1:
+        raise MosaicError("give exactly one of --max-size, --target-rate, --layers")
+    donors_arg: list[tuple[str, str]] = r.donors  # type: ignore[attr-defined]
+    if len(donors_arg) != 1:
+        raise MosaicError(f"a GGUF plan takes exactly one --donor with per-layer scores (given {len(donors_arg)})")
+    did, dsrc = donors_arg[0]
+    if not is_gguf_src(dsrc):
+        raise MosaicError(f"--donor {did}: {dsrc} is not a GGUF model, but the base is")
+    recipe_dir = (r.out.parent if r.out else Path.cwd()).resolve()  # type: ignore[attr-defined]
+    recipe_dir.mkdir(parents=True, exist_ok=True)  # the recipe's sources are resolved from its folder
+    base_spec = gguf_source(r.base, "--base", "base")  # type: ignore[attr-defined]
+    donor_spec = gguf_source(dsrc, f"--donor {did}", did)
+    base = open_gguf_source(base_spec, Path.cwd())
+    donor = open_gguf_source(donor_spec, Path.cwd())
+    check_same_model(base, did, donor)
+    units = find_gguf_units(base, r.unit)  # type: ignore[attr-defined]
+    layers = {t.layer for t in base.tensors if t.layer is not None}
+    scores, notes = load_layer_scores(r.scores, units, did, layers)  # type: ignore[arg-type, attr-defined]
+    bt, dt = base.by_name(), donor.by_name()
+    a = base.alignment
+    delta = {u.index: sum(align(dt[n].nbytes, a) - align(bt[n].nbytes, a) for n in u.tensors) for u in units}
+    bits = {u.index: 8 * sum(dt[n].nbytes - bt[n].nbytes for n in u.tensors) for u in units}
+    name = _name(base_spec, base)
+    # the header does not depend on the choice: lay it out once with the keys the build writes
+    probe = Recipe(name, base_spec, {}, (), None, (), recipe_dir / "x.yaml", b"")
+    kvs = [kv for kv in base.metadata.values() if not kv.key.startswith("mosaic.")] + mosaic_keys(probe, 0)
+    head = layout(kvs, [(t.name, t.ne, t.type_id, t.nbytes) for t in base.tensors], a)
+    base_size = head.size
+
+    def size(picks: list[Option]) -> int:
+        return base_size + sum(delta[o.unit] for o in picks)
+
+    by_target = r.target_rate is not None  # type: ignore[attr-defined]
+    options = [[Option(u.index, 0, did, bits[u.index] if by_target else delta[u.index], scores[(u.index, did)])]
+               if (u.index, did) in scores else [] for u in units]
+    weights = sum(t.elements for t in base.tensors)
+    if r.layers is not None:  # type: ignore[attr-defined]
+        if r.layers < 1:  # type: ignore[attr-defined]
+            raise MosaicError("--layers must be at least 1")
+        best: Solution | None = choose_count(options, r.layers)  # type: ignore[attr-defined]
+        greedy_sol = greedy(options, lambda picks: True, count=r.layers)  # type: ignore[attr-defined]
+    elif by_target:
+        try:
+            target = Fraction(Decimal(r.target_rate))  # type: ignore[attr-defined]
+        except (InvalidOperation, ValueError):
+            raise MosaicError(f"--target-rate: {r.target_rate!r} is not a number") from None  # type: ignore[attr-defined]
+        room = int((target * weights - 8 * sum(t.nbytes for t in base.tensors)) // 1)
+        best = solve_pareto(options, room)
+        greedy_sol = greedy(options, lambda picks: sum(o.cost for o in picks) <= room)
+        if best is None or not best.picks:
+            raise PlanError(f"--target-rate {r.target_rate}: no unit fits")  # type: ignore[attr-defined]
+    else:
+        limit = r.max_size  # type: ignore[attr-defined]
+        best = solve_pareto(options, limit - base_size)
+        greedy_sol = greedy(options, lambda picks: size(picks) <= limit)
+        if best is None or not best.picks:
+            smallest = min((base_size + delta[u.index] for u in units), default=base_size)
+            raise PlanError(f"--max-size {limit:,} bytes: too small for any unit; the base alone is {base_size:,} bytes "
+                            f"and the smallest mosaic (one unit) is {smallest:,} bytes")
+    assert best is not None
+    if not best.picks:
+        raise PlanError("no unit has a usable score (all scores are negative or missing)")
+    rule: dict[str, object] = {"from": did, "layers": _ranges(sorted(units[o.unit].layer for o in best.picks))}
+    if units[0].pattern:
+        rule["modules"] = [units[0].pattern]
+    doc = {"name": name, "base": _source_doc(base_spec, recipe_dir), "donors": {did: _source_doc(donor_spec, recipe_dir)},
+           "replace": [rule]}
+    text = "# written by mosaic plan; build it with: mosaic build THIS_FILE\n" + yaml.safe_dump(
+        doc, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
+    recipe = parse_recipe(text.encode(), (r.out.resolve() if r.out else recipe_dir / "mosaic-plan.yaml"))  # type: ignore[attr-defined]
+    plan = plan_gguf(recipe)
+    predicted = size(best.picks)
+    if plan.size != predicted:
+        raise VerificationError(f"plan: the size model says {predicted} bytes but the build plan lays out {plan.size}")
+    rates = plan.rates()
+
+    def listing(sol: Solution) -> list[dict]:
+        return [{"layer": units[o.unit].layer, "donor": o.donor} for o in sol.picks]
+
+    def f(x: object) -> float | None:
+        return None if x is None else round(float(x), 6)  # type: ignore[arg-type]
+
+    report = {
+        "chosen": listing(best),
+        "predicted_size": predicted,
+        "score": float(best.score),
+        "rate": {"exact": f(rates["exact"]), "by_bytes": f(rates["by_bytes"]), "by_layer_mass": f(rates["by_layer_mass"])},
+        "greedy": {"chosen": listing(greedy_sol), "predicted_size": size(greedy_sol.picks), "score": float(greedy_sol.score)},
+    }
+    if r.out is not None:  # type: ignore[attr-defined]
+        r.out.parent.mkdir(parents=True, exist_ok=True)  # type: ignore[attr-defined]
+        r.out.write_text(text, encoding="utf-8")  # type: ignore[attr-defined]
+    return report, text, plan, notes
