@@ -162,30 +162,52 @@ def _tensor_lines(items: list[object], indent: str) -> list[str] | None:
     ]
 
 
-def _dump_list(items: Iterable[object], indent: str, tensors: bool = False) -> str:
+def _list_lines(items: Iterable[object], indent: str, tensors: bool = False) -> list[str]:
     encode = _ENCODER.encode
-    fast = _tensor_lines(items, indent) if tensors and isinstance(items, list) else None
-    lines = fast if fast is not None else [indent + encode(i) for i in items]
+    fast = _tensor_lines(items, indent) if tensors and isinstance(items, list) else None  # type: ignore[arg-type]
+    return fast if fast is not None else [indent + encode(i) for i in items]
+
+
+def _dump_list(items: Iterable[object], indent: str, tensors: bool = False) -> str:
+    lines = _list_lines(items, indent, tensors)
     return "[\n" + ",\n".join(lines) + "\n" + indent[:-2] + "]" if lines else "[]"
 
 
 def dumps(doc: dict) -> bytes:
-    """Deterministic JSON: top-level keys in order, each list item on its own line."""
-    parts = []
+    """Deterministic JSON: top-level keys in order, each list item on its own line.
+
+    Written as byte chunks joined once: at 151,000 tensor records (40 MB) every intermediate copy
+    of the text is 40 MB more at the build's peak, so the long lists are encoded on their own."""
+    parts: list[list[bytes]] = []
     for k, v in doc.items():
+        head = f"  {json.dumps(k)}: "
         if isinstance(v, list):
-            body = _dump_list(v, "    ", tensors=k == "tensors")
-        elif k == "sources":
+            lines = _list_lines(v, "    ", tensors=k == "tensors")
+            if not lines:
+                parts.append([(head + "[]").encode("utf-8")])
+                continue
+            body = ",\n".join(lines)
+            del lines
+            parts.append([(head + "[\n").encode("utf-8"), body.encode("utf-8"), b"\n  ]"])
+            del body
+            continue
+        if k == "sources":
             inner = []
             for sid, s in v.items():
                 fields = [f'      {json.dumps(fk)}: {json.dumps(fv, ensure_ascii=False)}' for fk, fv in s.items() if fk != "files"]
                 fields.append(f'      "files": {_dump_list(s["files"], "        ")}')
                 inner.append(f"    {json.dumps(sid)}: {{\n" + ",\n".join(fields) + "\n    }")
-            body = "{\n" + ",\n".join(inner) + "\n  }"
+            text = "{\n" + ",\n".join(inner) + "\n  }"
         else:
-            body = json.dumps(v, ensure_ascii=False, separators=(", ", ": "))
-        parts.append(f"  {json.dumps(k)}: {body}")
-    return ("{\n" + ",\n".join(parts) + "\n}\n").encode("utf-8")
+            text = json.dumps(v, ensure_ascii=False, separators=(", ", ": "))
+        parts.append([(head + text).encode("utf-8")])
+    out = [b"{\n"]
+    for i, chunks in enumerate(parts):
+        if i:
+            out.append(b",\n")
+        out.extend(chunks)
+    out.append(b"\n}\n")
+    return b"".join(out)
 
 
 def manifest(records: Iterable[FileRecord]) -> bytes:

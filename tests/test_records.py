@@ -120,3 +120,20 @@ def test_fast_tensor_lines_are_the_encoders_bytes(ts: list, shuffle: bool) -> No
     assert _dump_list(ts, "    ", tensors=True) == _dump_list(ts, "    ")
     if ts and all(tuple(t) == _ORDER for t in ts):
         assert _dump_list(ts, "    ", tensors=True).split("\n")[1].rstrip(",") == "    " + _ENCODER.encode(ts[0])
+
+
+def test_dumps_layout_is_pinned() -> None:
+    """The file's layout, byte for byte: two builds, old and new code, must write the same bytes."""
+    doc = {
+        "schema": "mosaic.provenance/v1",
+        "sources": {"base": {"path": "b", "rate": 2.0, "files": [{"name": "a", "size": 1, "sha256": "0" * 64}]}},
+        "empty": [],
+        "tensors": [{"name": "t", "file": "m.safetensors", "dtype": "F16", "shape": [2, 3], "nbytes": 12, "sha256": "1" * 64, "source": "base"}],
+        "checks": [{"name": "c", "ok": True, "detail": "é"}],
+    }
+    assert dumps(doc) == (
+        '{\n  "schema": "mosaic.provenance/v1",\n  "sources": {\n    "base": {\n      "path": "b",\n      "rate": 2.0,\n'
+        f'      "files": [\n        {{"name": "a", "size": 1, "sha256": "{"0" * 64}"}}\n      ]\n    }}\n  }},\n  "empty": [],\n'
+        f'  "tensors": [\n    {{"name": "t", "file": "m.safetensors", "dtype": "F16", "shape": [2, 3], "nbytes": 12, "sha256": "{"1" * 64}", "source": "base"}}\n  ],\n'
+        '  "checks": [\n    {"name": "c", "ok": true, "detail": "é"}\n  ]\n}\n'
+    ).encode()
