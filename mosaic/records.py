@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from itertools import chain
 
 import jsonschema
 
@@ -57,6 +58,7 @@ def _validator() -> jsonschema.Draft202012Validator:
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _ID_RE = re.compile(r"^[a-z0-9_-]+$")
 _BAD_NAME_RE = re.compile(r"^/|(^|/)\.\.?(/|$)|\\|^[A-Za-z]:")
+_HEX_RE = re.compile(r"[0-9a-f]*")
 _TENSOR_KEYS = frozenset({"name", "file", "dtype", "shape", "nbytes", "sha256", "source"})
 
 
@@ -79,6 +81,30 @@ def _surely_valid_tensor(t: object) -> bool:
     )
 
 
+def _surely_valid_tensors(tensors: list[object]) -> bool:
+    """:func:`_surely_valid_tensor` for a whole list, column by column: a few passes at C speed
+    instead of a Python function per record (151,000 of them for GLM-5.3). False sends every
+    record through the item test (and the schema) to find which ones fail."""
+    if not all(type(t) is dict and t.keys() == _TENSOR_KEYS for t in tensors):
+        return False
+    col = {k: [t[k] for t in tensors] for k in _TENSOR_KEYS}  # type: ignore[index]
+    names, files, dtypes, shapes, nbytes, shas, sources = (
+        col["name"], col["file"], col["dtype"], col["shape"], col["nbytes"], col["sha256"], col["source"]
+    )
+    return (
+        all(type(x) is str for x in chain(names, files, dtypes, shas, sources))
+        and "" not in names
+        and all(x != "" and _BAD_NAME_RE.search(x) is None for x in set(files))
+        and "" not in dtypes
+        and all(type(s) is list for s in shapes)
+        and all(type(d) is int and d >= 0 for d in chain.from_iterable(shapes))
+        and all(type(n) is int and n >= 0 for n in nbytes)
+        and all(len(h) == 64 for h in shas)
+        and _HEX_RE.fullmatch("".join(shas)) is not None
+        and all(_ID_RE.match(x) is not None for x in set(sources))
+    )
+
+
 def _format(e: jsonschema.ValidationError, prefix: tuple[object, ...] = ()) -> str:
     path = "/".join(map(str, (*prefix, *e.absolute_path))) or "(root)"
     return f"{path}: {e.message[:300]}"
@@ -87,8 +113,9 @@ def _format(e: jsonschema.ValidationError, prefix: tuple[object, ...] = ()) -> s
 def validation_errors(doc: object) -> list[str]:
     """Schema violations of a PROVENANCE document, as '<json path>: <message>' lines.
 
-    The tensor list is checked item by item with a fast exact-or-stricter test; only the items it
-    does not accept go through the generic validator, which has the last word."""
+    The tensor list is checked column by column, then (when that is not clean) item by item, with
+    fast exact-or-stricter tests; only the items they do not accept go through the generic
+    validator, which has the last word."""
     v = _validator()
     tensors = doc.get("tensors") if isinstance(doc, dict) else None
     if not isinstance(tensors, list):
@@ -97,6 +124,8 @@ def validation_errors(doc: object) -> list[str]:
     out = [_format(e) for e in sorted(v.iter_errors(rest), key=lambda e: list(map(str, e.absolute_path)))]
     item_schema = schema()["properties"]["tensors"]["items"]
     item_validator = v.evolve(schema={**item_schema, "$defs": schema()["$defs"]})
+    if _surely_valid_tensors(tensors):
+        return out
     for i, t in enumerate(tensors):
         if not _surely_valid_tensor(t):
             out += [_format(e, ("tensors", i)) for e in item_validator.iter_errors(t)]
@@ -106,29 +135,79 @@ def validation_errors(doc: object) -> list[str]:
 _ENCODER = json.JSONEncoder(separators=(", ", ": "), ensure_ascii=False)
 
 
-def _dump_list(items: Iterable[object], indent: str) -> str:
+_TENSOR_ORDER = ("name", "file", "dtype", "shape", "nbytes", "sha256", "source")
+#: What the encoder would escape in a string (ensure_ascii=False): quote, backslash, control characters.
+_ESCAPED = re.compile(r'["\\\x00-\x1f]')
+
+
+def _tensor_lines(items: list[object], indent: str) -> list[str] | None:
+    """Tensor records as ``_ENCODER`` writes them, from one f-string each (5× faster at 151,000
+    records), or None when a record is not the plain shape this is exact for: the seven fields in
+    the builder's order, strings with nothing to escape, integer shapes and sizes."""
+    if not all(type(t) is dict and tuple(t) == _TENSOR_ORDER for t in items):
+        return None
+    cols = [[t[k] for t in items] for k in ("name", "file", "dtype", "sha256", "source")]  # type: ignore[index]
+    shapes = [t["shape"] for t in items]  # type: ignore[index]
+    nbytes = [t["nbytes"] for t in items]  # type: ignore[index]
+    if not (
+        all(type(x) is str for x in chain.from_iterable(cols))
+        and not any(_ESCAPED.search("".join(c)) for c in cols)
+        and all(type(s) is list for s in shapes)
+        and all(type(d) is int for d in chain(nbytes, chain.from_iterable(shapes)))
+    ):
+        return None
+    return [
+        f'{indent}{{"name": "{n}", "file": "{f}", "dtype": "{d}", "shape": {s}, "nbytes": {b}, "sha256": "{h}", "source": "{o}"}}'
+        for n, f, d, h, o, s, b in zip(*cols, shapes, nbytes)
+    ]
+
+
+def _list_lines(items: Iterable[object], indent: str, tensors: bool = False) -> list[str]:
     encode = _ENCODER.encode
-    lines = [indent + encode(i) for i in items]
+    fast = _tensor_lines(items, indent) if tensors and isinstance(items, list) else None  # type: ignore[arg-type]
+    return fast if fast is not None else [indent + encode(i) for i in items]
+
+
+def _dump_list(items: Iterable[object], indent: str, tensors: bool = False) -> str:
+    lines = _list_lines(items, indent, tensors)
     return "[\n" + ",\n".join(lines) + "\n" + indent[:-2] + "]" if lines else "[]"
 
 
 def dumps(doc: dict) -> bytes:
-    """Deterministic JSON: top-level keys in order, each list item on its own line."""
-    parts = []
+    """Deterministic JSON: top-level keys in order, each list item on its own line.
+
+    Written as byte chunks joined once: at 151,000 tensor records (40 MB) every intermediate copy
+    of the text is 40 MB more at the build's peak, so the long lists are encoded on their own."""
+    parts: list[list[bytes]] = []
     for k, v in doc.items():
+        head = f"  {json.dumps(k)}: "
         if isinstance(v, list):
-            body = _dump_list(v, "    ")
-        elif k == "sources":
+            lines = _list_lines(v, "    ", tensors=k == "tensors")
+            if not lines:
+                parts.append([(head + "[]").encode("utf-8")])
+                continue
+            body = ",\n".join(lines)
+            del lines
+            parts.append([(head + "[\n").encode("utf-8"), body.encode("utf-8"), b"\n  ]"])
+            del body
+            continue
+        if k == "sources":
             inner = []
             for sid, s in v.items():
                 fields = [f'      {json.dumps(fk)}: {json.dumps(fv, ensure_ascii=False)}' for fk, fv in s.items() if fk != "files"]
                 fields.append(f'      "files": {_dump_list(s["files"], "        ")}')
                 inner.append(f"    {json.dumps(sid)}: {{\n" + ",\n".join(fields) + "\n    }")
-            body = "{\n" + ",\n".join(inner) + "\n  }"
+            text = "{\n" + ",\n".join(inner) + "\n  }"
         else:
-            body = json.dumps(v, ensure_ascii=False, separators=(", ", ": "))
-        parts.append(f"  {json.dumps(k)}: {body}")
-    return ("{\n" + ",\n".join(parts) + "\n}\n").encode("utf-8")
+            text = json.dumps(v, ensure_ascii=False, separators=(", ", ": "))
+        parts.append([(head + text).encode("utf-8")])
+    out = [b"{\n"]
+    for i, chunks in enumerate(parts):
+        if i:
+            out.append(b",\n")
+        out.extend(chunks)
+    out.append(b"\n}\n")
+    return b"".join(out)
 
 
 def manifest(records: Iterable[FileRecord]) -> bytes:

@@ -66,3 +66,25 @@ def test_config_only_bits_change() -> None:
     cfg = {"architectures": ["X"], "quantization_config": {"bits": 2.05, "head_bits": 6}, "hidden_size": 64}
     out = json.loads(metadata.new_config(cfg, Fraction(231, 100)))
     assert out == {**cfg, "quantization_config": {"bits": 2.31, "head_bits": 6}}
+
+
+def test_a_repeated_key_inside_an_entry_is_refused_when_read_alone(ckpt_factory, copy_of) -> None:  # type: ignore[no-untyped-def]
+    """A donor is opened for some modules only, their quantization_config.json entries cut out of the
+    text: a key repeated inside such an entry is refused (naming it) as it is in a whole file."""
+    import pytest
+
+    from mosaic.checkpoint.folder import open_checkpoint
+    from mosaic.errors import FormatError
+    from mosaic.testing import demo_geometry
+
+    folder = copy_of(ckpt_factory(demo_geometry()))
+    path = folder / "quantization_config.json"
+    text = path.read_bytes()
+    spans = entry_spans(text)
+    key = next(k for k in spans if ".mlp.experts." in k)
+    a, b = spans[key]
+    entry = text[a:b]
+    path.write_bytes(text[:a] + entry.replace(b'"stored_tensors": {', b'"bits_per_weight": 1,\n            "stored_tensors": {', 1) + text[b:])
+    assert parse_span(path.read_bytes(), entry_spans(path.read_bytes())[key]) is None
+    with pytest.raises(FormatError, match="duplicate key 'bits_per_weight'"):
+        open_checkpoint(folder, modules={key})

@@ -219,6 +219,37 @@ def test_size_model_counts_header_bytes_as_the_writer_writes_them(srcs, base_is_
         assert model.size(choice) == want
 
 
+@pytest.mark.parametrize("base_is_library", [False, True])
+def test_header_lower_bound_is_the_writers_header_at_the_smallest_shapes(srcs, base_is_library: bool) -> None:
+    """The solver's bound on header growth, counted without encoding, equals the header the writer
+    writes with every tensor at its shortest shape and smallest size among the sources."""
+    from mosaic.formats.safetensors_writer import encode_header
+
+    base, d3, d4 = srcs
+    if base_is_library:
+        base, d3 = d3, base
+    model, _ = model_for(base, {"a": d3, "b": d4})
+    ck = model.base.ckpt
+    in_unit = {n for ts in model.unit_tensors.values() for n in ts}
+    low = 0
+    for shard in ck.shards:
+        h = ck.headers[shard]
+        entries = []
+        for t in h.tensors:
+            shape, nbytes = t.shape, t.nbytes
+            if t.name in in_unit:
+                for d in model.donors.values():
+                    dt = d.ckpt.tensor(t.name)
+                    if len(json.dumps(list(dt.shape))) < len(json.dumps(list(shape))):
+                        shape = dt.shape
+                    nbytes = min(nbytes, dt.nbytes)
+            entries.append((t.name, t.dtype, shape, nbytes))
+        low += min(0, len(encode_header(entries, h.metadata)) - h.data_start)
+    assert model.header_low == low
+    if base_is_library:  # the 3-bit base's donors have shorter trellis shapes: its headers can shrink
+        assert low < 0
+
+
 def test_header_growth_is_counted(srcs, tmp_path: Path) -> None:
     base, d3, _ = srcs
     model, units = model_for(base, {"q3": d3})

@@ -64,3 +64,76 @@ def test_shipped_schema_is_the_project_root_schema() -> None:
 
     root = Path(__file__).resolve().parent.parent / "PROVENANCE.schema.json"
     assert json.loads(root.read_text()) == schema()
+
+
+_ORDER = ("name", "file", "dtype", "shape", "nbytes", "sha256", "source")
+
+
+@settings(max_examples=EXAMPLES * 3, deadline=None)
+@given(ts=st.lists(_tensor, max_size=4))
+def test_column_check_accepts_a_list_only_when_every_item_passes(ts: list) -> None:
+    """The column-by-column check is the item check over a whole list, never more lenient."""
+    from mosaic.records import _surely_valid_tensors
+
+    if _surely_valid_tensors(ts):
+        assert all(_surely_valid_tensor(t) for t in ts)
+
+
+def test_column_check_refuses_each_kind_of_bad_record() -> None:
+    from mosaic.records import _surely_valid_tensors, validation_errors
+
+    good = {"name": "a.weight", "file": "model.safetensors", "dtype": "F16", "shape": [2, 3], "nbytes": 12, "sha256": "0" * 64, "source": "base"}
+    assert _surely_valid_tensors([good, {**good, "name": "b"}])
+    for field, bad in [("name", ""), ("file", "../x"), ("file", "a\\b"), ("dtype", ""), ("shape", [True]), ("shape", [-1]),
+                       ("shape", None), ("nbytes", 1.0), ("sha256", "A" * 64), ("sha256", "0" * 64 + "\n"), ("sha256", "0" * 65),
+                       ("source", "Q3"), ("name", 3)]:
+        records = [good, {**good, field: bad}]
+        assert not _surely_valid_tensors(records), (field, bad)
+        doc = {"tensors": records}
+        errors = [e for e in validation_errors(doc) if e.startswith("tensors/1")]
+        # stricter than the schema in two places: its `$` allows a final newline, and 1.0 is an integer to it
+        assert errors or (field, bad) in {("sha256", "0" * 64 + "\n"), ("nbytes", 1.0)}, (field, bad)
+
+
+_plain = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=8)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    ts=st.lists(
+        st.fixed_dictionaries({
+            "name": _plain, "file": _plain, "dtype": _plain,
+            "shape": st.lists(st.one_of(st.integers(0, 2**70), st.booleans()), max_size=3),
+            "nbytes": st.one_of(st.integers(0, 2**70), st.floats(0, 2)), "sha256": _plain, "source": _plain,
+        }),
+        max_size=4,
+    ),
+    shuffle=st.booleans(),
+)
+def test_fast_tensor_lines_are_the_encoders_bytes(ts: list, shuffle: bool) -> None:
+    """The f-string lines of ``tensors`` are byte for byte what the generic encoder writes (escapes,
+    non-ASCII, booleans and floats included: those records take the encoder)."""
+    from mosaic.records import _ENCODER, _dump_list
+
+    if shuffle:
+        ts = [dict(reversed(t.items())) for t in ts]
+    assert _dump_list(ts, "    ", tensors=True) == _dump_list(ts, "    ")
+    if ts and all(tuple(t) == _ORDER for t in ts):
+        assert _dump_list(ts, "    ", tensors=True).split("\n")[1].rstrip(",") == "    " + _ENCODER.encode(ts[0])
+
+
+def test_dumps_layout_is_pinned() -> None:
+    """The file's layout, byte for byte: two builds, old and new code, must write the same bytes."""
+    doc = {
+        "schema": "mosaic.provenance/v1",
+        "sources": {"base": {"path": "b", "rate": 2.0, "files": [{"name": "a", "size": 1, "sha256": "0" * 64}]}},
+        "empty": [],
+        "tensors": [{"name": "t", "file": "m.safetensors", "dtype": "F16", "shape": [2, 3], "nbytes": 12, "sha256": "1" * 64, "source": "base"}],
+        "checks": [{"name": "c", "ok": True, "detail": "é"}],
+    }
+    assert dumps(doc) == (
+        '{\n  "schema": "mosaic.provenance/v1",\n  "sources": {\n    "base": {\n      "path": "b",\n      "rate": 2.0,\n'
+        f'      "files": [\n        {{"name": "a", "size": 1, "sha256": "{"0" * 64}"}}\n      ]\n    }}\n  }},\n  "empty": [],\n'
+        f'  "tensors": [\n    {{"name": "t", "file": "m.safetensors", "dtype": "F16", "shape": [2, 3], "nbytes": 12, "sha256": "{"1" * 64}", "source": "base"}}\n  ],\n'
+        '  "checks": [\n    {"name": "c", "ok": true, "detail": "é"}\n  ]\n}\n'
+    ).encode()

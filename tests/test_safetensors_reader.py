@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from mosaic.errors import SafetensorsError
-from mosaic.formats.safetensors_reader import MAX_HEADER_SIZE, parse_header, read_header
+from mosaic.formats.safetensors_reader import (
+    MAX_HEADER_SIZE,
+    DuplicateKey,
+    parse_header,
+    read_header,
+    strict_json_loadb,
+    strict_json_loads,
+)
 
 FUZZ_EXAMPLES = int(os.environ.get("MOSAIC_FUZZ_EXAMPLES", "300"))
 
@@ -172,3 +179,138 @@ def test_fuzz_mutated_valid_file(data: st.DataObject) -> None:
         i = data.draw(st.integers(0, len(blob) - 1))
         blob[i] = data.draw(st.integers(0, 255))
     _check_parse(bytes(blob), len(blob))
+
+
+# --- the fast parse (orjson + a colon count) can never accept what the strict parse refuses --------
+
+_E0 = json.dumps(entry("F16", [2], 0, 4), separators=(",", ":"))
+_E1 = json.dumps(entry("F16", [2], 4, 8), separators=(",", ":"))
+
+
+@pytest.mark.parametrize(
+    ("header", "key"),
+    [
+        # the same key spelled with an escape: a plain text comparison would miss it
+        ('{"a":' + _E0 + ',"\\u0061":' + _E1 + "}", "a"),
+        # an escaped colon inside a string would balance the member the duplicate dropped
+        ('{"a":' + _E0 + ',"a":' + _E1 + ',"__metadata__":{"k":"x\\u003ay"}}', "a"),
+        # colons inside strings (names and metadata values) around a duplicate
+        ('{"__metadata__":{"k:1":"v:2"},"t:0":' + _E0 + ',"t:0":' + _E1 + "}", "t:0"),
+        # a duplicate inside an entry
+        ('{"a":{"dtype":"F16","dtype":"F16","shape":[2],"data_offsets":[0,4]},"b":' + _E1 + "}", "dtype"),
+        # a duplicate inside __metadata__, and __metadata__ twice
+        ('{"__metadata__":{"k":"1","k":"2"},"a":' + _E0 + ',"b":' + _E1 + "}", "k"),
+        ('{"__metadata__":{"k":"1"},"__metadata__":{"j":"2"},"a":' + _E0 + ',"b":' + _E1 + "}", "__metadata__"),
+    ],
+)
+def test_duplicates_the_fast_parse_must_not_miss(tmp_path: Path, header: str, key: str) -> None:
+    e = _rule(tmp_path, header, bytes(8))
+    assert (e.rule, e.key) == ("DuplicateKey", key)
+
+
+def test_colons_and_escapes_in_valid_headers_parse_the_same(tmp_path: Path) -> None:
+    hdr = '{"__metadata__":{"a:b":"c::d","e":"\\u00e9\\n"},"t:0":' + _E0 + ',"t\\u003a1":' + _E1 + "}"
+    h = read_header(raw_file(tmp_path / "c.safetensors", hdr, bytes(8)))
+    assert h.metadata == {"a:b": "c::d", "e": "é\n"}
+    assert h.names() == ["t:0", "t:1"]
+
+
+def test_out_of_order_entries_are_sorted_by_offset(tmp_path: Path) -> None:
+    h = read_header(raw_file(tmp_path / "o.safetensors", '{"b":' + _E1 + ',"a":' + _E0 + "}", bytes(8)))
+    assert h.names() == ["a", "b"]
+
+
+# JSON texts built from pieces that stress the proof: repeated keys, colons in strings, escapes,
+# numbers orjson and Python read differently (huge integers, 1e400), NaN, nesting
+_keys = st.sampled_from(["a", "b", "a:b", ":", "\\u0061", "\\u003a", "é", "\\\\", "\\\""])
+_scalars = st.sampled_from(
+    ['"x"', '"x:y"', '"\\u003a"', "1", "-0", "1.5", "1e400", "18446744073709551616", "-9223372036854775809",
+     "9223372036854775808", "NaN", "Infinity", "true", "null", '"\\ud800"']
+)
+
+
+def _json_texts() -> st.SearchStrategy[str]:
+    def obj(children: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+        member = st.tuples(_keys, children).map(lambda kv: f'"{kv[0]}":{kv[1]}')
+        return st.lists(member, max_size=4).map(lambda ms: "{" + ",".join(ms) + "}")
+
+    def arr(children: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+        return st.lists(children, max_size=3).map(lambda xs: "[" + ",".join(xs) + "]")
+
+    return st.recursive(_scalars, lambda c: st.one_of(obj(c), arr(c)), max_leaves=12)
+
+
+def _outcome(fn: object, arg: object) -> object:
+    try:
+        return ("ok", repr(fn(arg)))  # type: ignore[operator]
+    except DuplicateKey as e:
+        return ("dup", e.key)
+    except (ValueError, RecursionError) as e:
+        return ("error", type(e).__name__)
+
+
+@settings(max_examples=FUZZ_EXAMPLES * 3, deadline=None)
+@given(text=_json_texts())
+def test_fuzz_fast_json_equals_strict_json(text: str) -> None:
+    assert _outcome(strict_json_loadb, text.encode()) == _outcome(strict_json_loads, text)
+
+
+def test_fast_json_keeps_huge_integers_exact() -> None:
+    assert strict_json_loadb(b'{"n": 18446744073709551616, "m": [-9223372036854775809]}') == {
+        "n": 18446744073709551616,
+        "m": [-9223372036854775809],
+    }
+    with pytest.raises(DuplicateKey) as ei:
+        strict_json_loadb(b'{"x": {"k": 1, "k:": 2, "k": 3}}')
+    assert ei.value.key == "k"
+
+
+def test_plain_documents_take_the_fast_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header or document without escapes or duplicates never needs the slow parser (the speed the
+    bench measures depends on it); one with a duplicate always gets it, to name the key."""
+    import mosaic.formats.safetensors_reader as reader
+
+    calls: list[str] = []
+    slow = reader.strict_json_loads
+    monkeypatch.setattr(reader, "strict_json_loads", lambda text: calls.append(text) or slow(text))
+    h = read_header(raw_file(tmp_path / "f.safetensors", '{"__metadata__":{"format":"pt"},"a":' + _E0 + ',"b":' + _E1 + "}", bytes(8)))
+    assert h.names() == ["a", "b"] and reader.strict_json_loadb(b'{"x": [1, {"y": "a:b"}]}') == {"x": [1, {"y": "a:b"}]}
+    assert calls == []
+    with pytest.raises(DuplicateKey):
+        reader.strict_json_loadb(b'{"x": 1, "x": 1}')
+    assert calls == ['{"x": 1, "x": 1}']
+
+
+@pytest.mark.parametrize(
+    ("text", "slow"),
+    [
+        (b"1234567890123456789", True),
+        (b"-1234567890123456789", True),
+        (b'{"a": [1, 12345678901234567890123]}', True),
+        (b'{"a":\n-9223372036854775809}', True),
+        (b'{"a": "12345678901234567890123"}', False),
+        (b'{"a": "x-12345678901234567890123"}', False),
+        (b'{"a": 1.12345678901234567890123}', False),
+        (b'{"a": 123456789012345678}', False),
+    ],
+)
+def test_long_integers_are_found_outside_strings(text: bytes, slow: bool) -> None:
+    from mosaic.formats.safetensors_reader import _has_long_integer
+
+    assert _has_long_integer(text) is slow
+    assert strict_json_loadb(text) == strict_json_loads(text.decode())
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"\xef\xbb\xbf{}", b"{} x", b'{"a":1}\x00', b'\t{"a" : 1 }\n', b'{"a":"\x01"}', b'{"a":"\x7f"}',
+     b"[1e5, -0.0, 1E-400]", b'{"a": 1.7976931348623157e309}', b'"\xed\xa0\x80"', b'{"":1, "":2}', b"null", b'{"a":tru}'],
+)
+def test_fast_json_edges_match_the_strict_parse(raw: bytes) -> None:
+    """Byte-level edges where orjson and Python's json could part: BOM, trailing bytes, control
+    characters, overflowing floats, surrogates, empty keys."""
+    try:
+        want = _outcome(strict_json_loads, raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        want = ("error", "UnicodeDecodeError")
+    assert _outcome(strict_json_loadb, raw) == want

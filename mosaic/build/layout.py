@@ -13,12 +13,13 @@ import fnmatch
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import NamedTuple
 
 from mosaic.build import metadata
 from mosaic.build.selection import Selection
 from mosaic.checkpoint.census import Analysis
 from mosaic.checkpoint.exl3 import Module, exact_rate, is_decoder_linear, part_rates
-from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
+from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, bulk
 from mosaic.errors import SourceError
 from mosaic.formats.safetensors_writer import OutTensor, ShardLayout, layout_shard
 from mosaic.recipe import Recipe
@@ -28,8 +29,9 @@ from mosaic.records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAM
 OWN_FILES = frozenset({RECIPE_NAME, PROVENANCE_NAME, MANIFEST_NAME, CARD_NAME, INDEX_NAME, CONFIG_NAME, QCONFIG_NAME})
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedTensor:
+class PlannedTensor(NamedTuple):
+    """One output tensor and where its bytes come from (a named tuple: 151,000 per GLM-5.3 plan)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -143,6 +145,7 @@ def layer_mass_rate(result: dict[str, Module], selection: Selection, rates: dict
     return total / len(weights)
 
 
+@bulk()
 def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection) -> BuildPlan:
     """Lay out every output file of the mosaic. Raises if the derived metadata would disagree."""
     base = sources["base"]

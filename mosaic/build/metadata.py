@@ -16,6 +16,7 @@ from fractions import Fraction
 from mosaic.checkpoint.census import ST_TO_TORCH
 from mosaic.checkpoint.folder import entry_spans, parse_span
 from mosaic.errors import SourceError
+from mosaic.formats.safetensors_reader import strict_json_loadb
 
 
 def dumps(doc: object) -> bytes:
@@ -28,8 +29,9 @@ def exl3_bits(rate: Fraction) -> float:
 
 
 def _same(data: bytes, expected: object) -> bool:
+    """Whether ``data`` parses to ``expected`` (strictly: the base's text had no repeated key either)."""
     try:
-        return json.loads(data) == expected
+        return strict_json_loadb(data) == expected
     except ValueError:
         return False
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from mosaic import __version__
 from mosaic.build.layout import BuildPlan
 from mosaic.build.splice import SpliceResult
+from mosaic.checkpoint.folder import bulk
 from mosaic.errors import VerificationError
 from mosaic.records import (
     CARD_NAME,
@@ -56,6 +57,7 @@ def _rate(r: Fraction | float | None) -> float | None:
     return None if r is None else round(float(r), 6)
 
 
+@bulk()
 def build_provenance(plan: BuildPlan, res: SpliceResult, unverified: dict[str, set[str]] | None = None) -> dict:
     """The PROVENANCE document of a finished splice (everything but itself and the manifest).
 
@@ -132,6 +134,7 @@ def _file(r: FileRecord) -> dict[str, object]:
     return {"name": r.name, "size": r.size, "sha256": r.sha256}
 
 
+@bulk()
 def checked_dumps(doc: dict) -> bytes:
     """Serialize after validating against the schema; a violation is a failed build verification."""
     errors = validation_errors(doc)

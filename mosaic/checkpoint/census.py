@@ -26,7 +26,7 @@ from mosaic.checkpoint.exl3 import (
     module_problems,
     part_rates,
 )
-from mosaic.checkpoint.folder import Checkpoint, read_small_tensors, text_config
+from mosaic.checkpoint.folder import Checkpoint, bulk, read_small_tensors, text_config
 
 #: What the exact rate counts (census, PROVENANCE ``rate.exact``, the card and the README say the same).
 RATE_DEFINITION = (
@@ -113,19 +113,24 @@ def check_qconfig(ckpt: Checkpoint, modules: dict[str, Module]) -> list[str]:
         return [f"{where}: no tensor_storage object"]
     problems: list[str] = []
     described: set[str] = set()
+    info = ckpt.by_name  # each of 150,000 look-ups one dict access
+    torch_of = ST_TO_TORCH
     for key, entry in storage.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("stored_tensors"), dict):
             problems.append(f"{where}: {key}: entry has no stored_tensors object")
             continue
         for name, st in entry["stored_tensors"].items():
             described.add(name)
-            if name not in ckpt.tensor_file:
+            t = info.get(name)
+            if t is None:
                 problems.append(f"{where}: {key}: stored tensor {name!r} is in no shard")
                 continue
             if not isinstance(st, dict):
                 problems.append(f"{where}: {name}: entry is not an object")
                 continue
-            t = ckpt.tensor(name)
+            dtype = st.get("dtype")
+            if type(dtype) is str and dtype == torch_of.get(t.dtype) and st.get("n_bytes") == t.nbytes and st.get("shape") == list(t.shape):
+                continue  # the common case, all three fields right: the checks below would add nothing
             if st.get("shape") != list(t.shape):
                 problems.append(f"{where}: {name}: shape {st.get('shape')} but the header says {list(t.shape)}")
             if st.get("n_bytes") != t.nbytes:
@@ -154,6 +159,7 @@ def check_qconfig(ckpt: Checkpoint, modules: dict[str, Module]) -> list[str]:
     return problems
 
 
+@bulk()
 def analyze(ckpt: Checkpoint) -> Analysis:
     """Interpret a checkpoint's tensors as EXL3 modules and collect every problem."""
     modules = group_modules(t for s in ckpt.shards for t in ckpt.headers[s].tensors)
@@ -197,6 +203,7 @@ def _bits_label(bits: set[float | None]) -> str:
     return "/".join(f"{b:g}" for b in vals) if vals else "-"
 
 
+@bulk()
 def census_report(a: Analysis) -> dict[str, object]:
     """The census as a JSON-ready dict (what ``mosaic census --json`` prints)."""
     ck = a.ckpt
@@ -208,16 +215,20 @@ def census_report(a: Analysis) -> dict[str, object]:
             h["weights"] += m.weights
     n_layers = a.num_hidden_layers
     layers = []
-    for layer in a.layers():
+    by_layer: dict[int, list[Module]] = {}  # one pass, not one per layer (52,000 modules × 46 layers)
+    for m in a.modules.values():
+        if m.info.layer is not None:
+            by_layer.setdefault(m.info.layer, []).append(m)
+    for layer in sorted(by_layer):
         groups: dict[str, dict[str, object]] = {}
-        for m in a.layer_modules(layer):
+        for m in by_layer[layer]:
             if not m.is_exl3:
                 continue
             g = groups.setdefault(m.info.group, {"bits": set(), "modules": 0, "codebooks": set()})
             g["bits"].add(m.bits)  # type: ignore[union-attr]
             g["codebooks"].add(m.codebook)  # type: ignore[union-attr]
             g["modules"] += 1  # type: ignore[operator]
-        rate = exact_rate(a.layer_modules(layer), None)
+        rate = exact_rate(by_layer[layer], None)
         kinds = text_config(ck.config or {}).get("layer_types")
         mtp = n_layers is not None and layer >= n_layers
         kind = kinds[layer] if isinstance(kinds, list) and layer < len(kinds) and isinstance(kinds[layer], str) else None

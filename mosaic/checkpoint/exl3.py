@@ -86,49 +86,43 @@ def bits_from_trellis(shape: tuple[int, ...]) -> float | None:
     return shape[-1] // 16 if shape[-1] % 16 == 0 else shape[-1] / 16  # exact: a multiple of 1/2
 
 
-@dataclass
+@dataclass(slots=True)
 class Module:
-    """One module: its tensors (suffix → header entry) and, for EXL3 linears, bits and codebook."""
+    """One module: its tensors (suffix → header entry) and, for EXL3 linears, bits and codebook.
+
+    The shape-derived attributes (``is_exl3``, ``bits``, ``bits16``, ``in_features``,
+    ``out_features``, ``weights``, ``marker_suffix``) are worked out once by :meth:`derive`, which
+    :func:`group_modules` calls when a module's tensors are complete: the census, the plan and the
+    rates read them hundreds of thousands of times at GLM-5.3's 52,000 modules, and slots keep each
+    module small."""
 
     key: str
     info: KeyInfo
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     codebook: str | None = None  # set for EXL3 linears once markers are known
     marker_value: int | None = None
+    is_exl3: bool = field(default=False, init=False, repr=False, compare=False)
+    bits: float | None = field(default=None, init=False, repr=False, compare=False)
+    #: 16 × bits: the trellis's last dimension, an exact integer
+    bits16: int | None = field(default=None, init=False, repr=False, compare=False)
+    in_features: int | None = field(default=None, init=False, repr=False, compare=False)
+    out_features: int | None = field(default=None, init=False, repr=False, compare=False)
+    weights: int = field(default=0, init=False, repr=False, compare=False)
+    marker_suffix: str | None = field(default=None, init=False, repr=False, compare=False)
 
-    @property
-    def is_exl3(self) -> bool:
-        return "trellis" in self.tensors
-
-    @property
-    def bits(self) -> float | None:
+    def derive(self) -> Module:
+        """Set the shape-derived attributes from the (complete) tensors; returns the module."""
         t = self.tensors.get("trellis")
-        return bits_from_trellis(t.shape) if t else None
-
-    @property
-    def bits16(self) -> int | None:
-        """16 × bits: the trellis's last dimension, an exact integer."""
-        t = self.tensors.get("trellis")
-        return t.shape[-1] if t is not None and len(t.shape) == 3 else None
-
-    @property
-    def in_features(self) -> int | None:
-        t = self.tensors.get("trellis")
-        return t.shape[0] * 16 if t and len(t.shape) == 3 else None
-
-    @property
-    def out_features(self) -> int | None:
-        t = self.tensors.get("trellis")
-        return t.shape[1] * 16 if t and len(t.shape) == 3 else None
-
-    @property
-    def weights(self) -> int:
+        self.is_exl3 = t is not None
+        self.bits = bits_from_trellis(t.shape) if t is not None else None
+        three = t is not None and len(t.shape) == 3
+        self.bits16 = t.shape[-1] if three else None  # type: ignore[union-attr]
+        self.in_features = t.shape[0] * 16 if three else None  # type: ignore[union-attr]
+        self.out_features = t.shape[1] * 16 if three else None  # type: ignore[union-attr]
         i, o = self.in_features, self.out_features
-        return i * o if i is not None and o is not None else 0
-
-    @property
-    def marker_suffix(self) -> str | None:
-        return "mul1" if "mul1" in self.tensors else "mcg" if "mcg" in self.tensors else None
+        self.weights = i * o if i is not None and o is not None else 0
+        self.marker_suffix = "mul1" if "mul1" in self.tensors else "mcg" if "mcg" in self.tensors else None
+        return self
 
     def structure(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         """Suffixes, dtypes and shapes apart from the trellis's last dim and the codebook marker: what
@@ -151,6 +145,8 @@ def group_modules(tensors: Iterable[TensorInfo]) -> dict[str, Module]:
         if m is None:
             m = mods[key] = Module(key, parse_key(key))
         m.tensors[suffix] = t
+    for m in mods.values():
+        m.derive()
     return mods
 
 

@@ -6,6 +6,15 @@ One function per rule; each violation raises :class:`~mosaic.errors.SafetensorsE
 file, the rule and, where there is one, the tensor. It accepts the official writer's space-padded
 headers and exllamav3's minified, unpadded ones, with or without ``__metadata__``.
 
+JSON is parsed at C speed (orjson) and proven equal to the strict parse before it is trusted: orjson,
+like Python's json, silently keeps the last of duplicate keys, and a count that cannot be fooled
+shows that none was dropped. Every ``:`` of a JSON text is either the separator of one object member
+or inside a string; when the text holds no backslash escape, its colons equal those of orjson's own
+re-serialization of what it parsed exactly when no member was lost. Whenever that proof is not clean
+(an escape, an integer too long for 64 bits, anything orjson refuses, any rule broken), the exact
+slow path (:func:`strict_json_loads` and the checks below) runs and has the last word; it alone names
+a duplicate.
+
 This module never reads tensor bytes, never trusts a length before checking it against the file,
 and never executes anything from a file.
 """
@@ -18,6 +27,9 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
+
+import orjson
 
 from mosaic.errors import SafetensorsError
 
@@ -52,9 +64,11 @@ _TENSOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 _METADATA_KEY = "__metadata__"
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """One header entry. ``begin``/``end`` are relative to the start of the byte buffer."""
+class TensorInfo(NamedTuple):
+    """One header entry. ``begin``/``end`` are relative to the start of the byte buffer.
+
+    A named tuple rather than a frozen dataclass: 151,000 of them are made per GLM-5.3 header set,
+    and a tuple is built several times faster."""
 
     name: str
     dtype: str
@@ -168,6 +182,64 @@ def strict_json_loads(text: str) -> object:
     return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
 
 
+#: An integer literal of 19 digits or more may not fit 64 bits: orjson reads those as floats, where
+#: Python's json keeps an exact int, so a document that has one takes the slow path.
+_LONG = 19
+_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_NUMBER_START = frozenset(b"[:, \t\n\r")
+
+
+def _has_long_integer(raw: bytes) -> bool:
+    """Whether a run of 19+ digits starts a JSON number (digits inside strings, e.g. in hex
+    digests, follow a quote or a letter, not a separator). A scan at C speed: a regex with a
+    look-behind alternative reads 48 MB at a few tens of MB/s."""
+    zeros = raw.translate(_DIGITS_AS_ZERO)
+    run = b"0" * _LONG
+    i = zeros.find(run)
+    while i >= 0:
+        j = i - 1 if i and raw[i - 1] != 0x2D else i - 2  # skip a minus sign
+        if j < 0 or raw[j] in _NUMBER_START:
+            return True
+        k = i + _LONG
+        while k < len(zeros) and zeros[k] == 0x30:
+            k += 1
+        i = zeros.find(run, k)
+    return False
+
+
+class _Unproven(Exception):
+    """The fast parse could not prove the document equal to the strict parse: take the slow path."""
+
+
+def _fast_json(raw: bytes) -> object:
+    """The strict parse of ``raw`` at C speed; raises :class:`_Unproven` when it cannot be proven
+    equal to :func:`strict_json_loads` of the same text.
+
+    The proof needs no walk of the parsed objects: orjson writes every member back with one colon
+    and every string with its colons as they are (it never escapes one), so the colons of its
+    output are exactly the members plus the colons inside the strings parsed."""
+    if b"\\" in raw or _has_long_integer(raw):
+        raise _Unproven  # an escape can hide a colon, or spell one key two ways
+    try:
+        obj = orjson.loads(raw)
+        again = orjson.dumps(obj)
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError, RecursionError):
+        raise _Unproven from None
+    if again.count(b":") != raw.count(b":"):
+        raise _Unproven  # a repeated key dropped a member
+    return obj
+
+
+def strict_json_loadb(raw: bytes) -> object:
+    """:func:`strict_json_loads` of UTF-8 bytes: orjson with the duplicate-key proof, the exact slow
+    path whenever the proof is not clean. Raises what :func:`strict_json_loads` raises, or
+    ``UnicodeDecodeError``."""
+    try:
+        return _fast_json(raw)
+    except _Unproven:
+        return strict_json_loads(raw.decode("utf-8"))
+
+
 def _decode_json(path: str, raw: bytes) -> dict[str, object]:
     try:
         text = raw.decode("utf-8")
@@ -279,6 +351,68 @@ def _check_tiling(path: str, tensors: list[TensorInfo], data_size: int) -> None:
         )
 
 
+def _fast_header(path: str, raw: bytes, file_size: int) -> ShardHeader:
+    """A header that breaks no rule, parsed at C speed; raises :class:`_Unproven` at the first doubt.
+
+    The slow path (:func:`parse_header` below) re-reads anything this refuses, so every error keeps
+    its exact rule and key. The duplicate-key proof needs no walk of the entries: a valid entry is an
+    object of exactly three members whose only string, the dtype, holds no colon, so it adds exactly
+    three colons to the text."""
+    if raw[:1] != b"{" or b"\\" in raw:
+        raise _Unproven
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise _Unproven from None
+    if type(obj) is not dict:
+        raise _Unproven
+    colons = len(obj) + "".join(obj).count(":")
+    metadata = None
+    tensors: list[TensorInfo] = []
+    append = tensors.append
+    bits_of = DTYPE_BITS
+    new_tuple = tuple.__new__
+    pos = 0
+    tiled = True
+    for name, entry in obj.items():
+        if type(entry) is not dict or len(entry) != 3:
+            if name != _METADATA_KEY or type(entry) is not dict:
+                raise _Unproven
+        elif name != _METADATA_KEY:
+            dtype = entry.get("dtype")
+            shape = entry.get("shape")
+            offsets = entry.get("data_offsets")
+            bits = bits_of.get(dtype) if type(dtype) is str else None
+            if bits is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+                raise _Unproven
+            begin, end = offsets
+            if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+                raise _Unproven
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    raise _Unproven
+                bits *= d
+            if bits % 8 or bits // 8 != end - begin:
+                raise _Unproven
+            if begin != pos:
+                tiled = False
+            pos = end
+            append(new_tuple(TensorInfo, (name, dtype, tuple(shape), begin, end)))
+            continue
+        values = entry.values()
+        if not all(type(v) is str for v in values):
+            raise _Unproven
+        colons += len(entry) + "".join(entry).count(":") + "".join(values).count(":")
+        metadata = entry
+    if colons + 3 * len(tensors) != raw.count(b":"):
+        raise _Unproven
+    data_size = file_size - 8 - len(raw)
+    if not tiled or pos != data_size:
+        tensors.sort(key=lambda t: (t.begin, t.end))
+        _check_tiling(path, tensors, data_size)
+    return ShardHeader(path, len(raw), file_size, metadata, tuple(tensors), {t.name: t for t in tensors})
+
+
 # --- entry points --------------------------------------------------------------------------------
 
 
@@ -289,6 +423,10 @@ def parse_header(path: str | os.PathLike[str], head: bytes, file_size: int) -> S
     raw = head[8 : 8 + n]
     if len(raw) < n:
         raise SafetensorsError(p, "InvalidHeaderLength", f"only {len(raw)} of {n} header bytes available")
+    try:
+        return _fast_header(p, raw, file_size)
+    except _Unproven:
+        pass
     obj = _decode_json(p, raw)
     metadata = None
     tensors: list[TensorInfo] = []

@@ -10,7 +10,6 @@ from fractions import Fraction
 
 from mosaic.checkpoint.census import Analysis
 from mosaic.checkpoint.exl3 import is_decoder_linear
-from mosaic.formats.safetensors_writer import encode_header
 from mosaic.plan.units import Unit
 
 # --- exact costs --------------------------------------------------------------------------------
@@ -24,9 +23,13 @@ class SizeModel:
         self.base, self.donors, self.units = base, donors, units
         self.unit_tensors = {u.index: [f"{k}.{s}" for k in u.modules for s in base.modules[k].tensors] for u in units}
         self.shard_of = dict(ck.tensor_file)
+        #: the shards each unit's tensors lie in (a unit is thousands of tensors, in one or two shards)
+        self.unit_shards = {ui: sorted({self.shard_of[n] for n in ts}) for ui, ts in self.unit_tensors.items()}
         self.base_size = ck.shard_bytes
         self._cache: dict[tuple[str, tuple[tuple[int, str], ...]], int] = {}
         self._fixed: dict[str, tuple[int, list[int]]] = {}
+        #: JSON text length of each distinct shape (a few dozen among 150,000 tensors), per separator
+        self._shape_len: dict[tuple[tuple[int, ...], str], int] = {}
         self.delta: dict[tuple[int, str], int] = {}
         for u in units:
             for did, d in donors.items():
@@ -34,6 +37,13 @@ class SizeModel:
                     d.ckpt.tensor(n).nbytes - ck.tensor(n).nbytes for n in self.unit_tensors[u.index]
                 )
         self.header_low = self._header_lower_bound()
+
+    def _json_len(self, shape: tuple[int, ...], sep: str = ",") -> int:
+        """``len(json.dumps(list(shape)))`` with item separator ``sep``, worked out once per shape."""
+        n = self._shape_len.get((shape, sep))
+        if n is None:
+            n = self._shape_len[(shape, sep)] = len(json.dumps(list(shape), separators=(sep, ":")))
+        return n
 
     def _donor_tensor(self, did: str, name: str) -> tuple[str, tuple[int, ...], int]:
         t = self.donors[did].ckpt.tensor(name)
@@ -53,17 +63,17 @@ class SizeModel:
                 if t.name in in_unit:
                     for d in self.donors.values():
                         dt = d.ckpt.tensor(t.name)
-                        if len(json.dumps(list(dt.shape))) < len(json.dumps(list(shape))):
+                        if self._json_len(dt.shape, ", ") < self._json_len(shape, ", "):
                             shape = dt.shape
                         nbytes = min(nbytes, dt.nbytes)
-                entries.append((t.name, t.dtype, shape, nbytes))
-            low += min(0, len(encode_header(entries, h.metadata)) - h.data_start)
+                entries.append((shape, nbytes))
+            low += min(0, self._header_size(shard, entries) - h.data_start)
         return low
 
-    def _shard_size(self, shard: str, donor_of: dict[str, str]) -> int:
-        """File size of a rewritten shard: the length of the header :func:`encode_header` writes
-        (compact JSON, padded to 8), counted without building it — each entry's length is fixed
-        text plus the digits of its shape and offsets — plus the tensor bytes."""
+    def _header_size(self, shard: str, entries: list[tuple[tuple[int, ...], int]]) -> int:
+        """Length of the header :func:`encode_header` writes for the shard's tensors, in order, with
+        these (shape, nbytes) (compact JSON, padded to 8, length prefix included), counted without
+        building it: each entry's length is fixed text plus the digits of its shape and offsets."""
         h = self.base.ckpt.headers[shard]
         fixed = self._fixed.get(shard)
         if fixed is None:
@@ -75,23 +85,34 @@ class SizeModel:
         commas = max(len(h.tensors) - 1, 0) + (1 if h.metadata is not None and h.tensors else 0)
         n = fixed[0] + commas + 1
         pos = 0
-        for t, f in zip(h.tensors, fixed[1]):
-            if t.name in donor_of:
-                dt = self.donors[donor_of[t.name]].ckpt.tensor(t.name)
-                shape, nbytes = dt.shape, dt.nbytes
+        json_len = self._json_len
+        for (shape, nbytes), f in zip(entries, fixed[1]):
+            end = pos + nbytes
+            n += f + json_len(shape) + len(str(pos)) + len(str(end))
+            pos = end
+        return 8 + n + (-n % 8)
+
+    def _shard_size(self, shard: str, donor_of: dict[str, str]) -> int:
+        """File size of a rewritten shard: the length of the header :func:`encode_header` writes
+        (compact JSON, padded to 8), counted without building it — each entry's length is fixed
+        text plus the digits of its shape and offsets — plus the tensor bytes."""
+        entries = []
+        for t in self.base.ckpt.headers[shard].tensors:
+            did = donor_of.get(t.name)
+            if did is not None:
+                dt = self.donors[did].ckpt.tensor(t.name)
+                entries.append((dt.shape, dt.nbytes))
             else:
-                shape, nbytes = t.shape, t.nbytes
-            n += f + len(json.dumps(list(shape), separators=(",", ":"))) + len(str(pos)) + len(str(pos + nbytes))
-            pos += nbytes
-        return 8 + n + (-n % 8) + pos
+                entries.append((t.shape, t.nbytes))
+        return self._header_size(shard, entries) + sum(nbytes for _, nbytes in entries)
 
     def size(self, choice: dict[int, str]) -> int:
         """Exact output size when unit ``i`` comes from donor ``choice[i]``."""
         ck = self.base.ckpt
         per_shard: dict[str, list[tuple[int, str]]] = {}
         for ui, did in choice.items():
-            for n in self.unit_tensors[ui]:
-                per_shard.setdefault(self.shard_of[n], []).append((ui, did))
+            for shard in self.unit_shards[ui]:
+                per_shard.setdefault(shard, []).append((ui, did))
         total = 0
         for shard in ck.shards:
             h = ck.headers[shard]
