@@ -49,6 +49,16 @@ class Repo:
         return rev if rev in self.commits else None
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that hangs up mid-request (a dropped range, a retry) is expected here, not an error to print."""
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
 class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[str, Repo] = {}
@@ -64,7 +74,7 @@ class FakeHub:
         self.auth: list[str] = []
         self.lock = threading.Lock()
         self._n = 0
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
+        self.server = _QuietServer(("127.0.0.1", 0), _make_handler(self))
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         #: LFS storage answers on another host name of the same loopback server, as the hub's storage is
