@@ -132,7 +132,7 @@ def render_block(doc: dict) -> str:
             lines.append(
                 f"  - read from the hub by byte ranges: {len(partial)} file(s) only in part, so their whole-file SHA-256 "
                 "is the hub's claim, not checked by the build; every tensor taken from them has its own SHA-256 of the "
-                "bytes read (`mosaic audit . --sources` compares them again)"
+                "bytes read (with the sources fetched, `mosaic audit . --sources` compares them again)"
             )
     lines += [
         "",

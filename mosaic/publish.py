@@ -81,7 +81,7 @@ def upload_plan(folder: str | Path, recipe_only: bool = False) -> tuple[list[Upl
     except ValueError as e:
         raise PublishError(f"{root}: {e}") from None
     items = [UploadItem(n, (root / n).stat().st_size, sha) for n, sha in sorted(listed.items())
-             if not (recipe_only and n.endswith(".safetensors"))]
+             if not (recipe_only and n.endswith((".safetensors", ".gguf")))]
     items.append(UploadItem(MANIFEST_NAME, len(data), hashlib.sha256(data).hexdigest()))
     sig = root / SIGNATURE_NAME
     if sig.is_file() and not sig.is_symlink():

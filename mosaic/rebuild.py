@@ -16,18 +16,29 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mosaic.build.run import PARTIAL_TAG, build
+from mosaic.build.run import PARTIAL_TAG, build, clean_stale_partials
 from mosaic.errors import OutputError, SourceError, VerificationError
+from mosaic.formats.safetensors_reader import strict_json_loadb
 from mosaic.hub.partial import SHARD_SUFFIX, PartialSnapshot
 from mosaic.progress import SILENT, Reporter
 from mosaic.recipe import Recipe, SourceSpec, parse_hub_ref, parse_recipe
-from mosaic.records import MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME, SIGNATURE_NAME, parse_manifest
+from mosaic.records import (
+    CARD_NAME,
+    MANIFEST_NAME,
+    PROVENANCE_NAME,
+    RECIPE_NAME,
+    SIGNATURE_NAME,
+    parse_manifest,
+)
+
+#: Published files a newer or older mosaic may write differently (tool version, card wording); every
+#: other file the rebuild writes must equal the published one before the published copy is kept.
+VERSIONED = frozenset({CARD_NAME, PROVENANCE_NAME, MANIFEST_NAME, SIGNATURE_NAME})
 
 
 @dataclass
@@ -94,6 +105,8 @@ def rebuild(
         raise OutputError(f"{out_dir}: already exists; choose another --out or remove it")
 
     published = PartialSnapshot(repo, revision)
+    if any(n.endswith(".gguf") for n in published.listing):
+        raise SourceError(f"{repo}@{revision}: a GGUF mosaic; mosaic rebuild rebuilds EXL3 mosaics only (nothing was downloaded)")
     small = sorted(n for n in published.listing
                    if not n.endswith(SHARD_SUFFIX) and not any(p.startswith(".") for p in n.split("/")))
     for need in (RECIPE_NAME, PROVENANCE_NAME, MANIFEST_NAME):
@@ -103,20 +116,26 @@ def rebuild(
     folder = published.folder
     try:
         listed = parse_manifest((folder / MANIFEST_NAME).read_bytes(), MANIFEST_NAME)
-        prov = json.loads((folder / PROVENANCE_NAME).read_text(encoding="utf-8"))
-        want_tensors = {t["name"]: t for t in prov["tensors"]}
-    except (ValueError, KeyError, TypeError) as e:
+        prov = strict_json_loadb((folder / PROVENANCE_NAME).read_bytes())
+        want_tensors = {t["name"]: t for t in prov["tensors"]}  # type: ignore[index]
+        if len(want_tensors) != len(prov["tensors"]):  # type: ignore[index]
+            raise ValueError("a tensor is listed twice")
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise VerificationError(f"{repo}@{revision}: {MANIFEST_NAME} or {PROVENANCE_NAME} unreadable: {e}") from None
     recipe = _with_sources(parse_recipe((folder / RECIPE_NAME).read_bytes(), folder / RECIPE_NAME), sources or {})
 
-    work = out_dir.parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-rebuild"
-    shutil.rmtree(work, ignore_errors=True)
+    # named like a build's temporary folder, so a later build or rebuild removes it if this process dies
+    work = out_dir.parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-{os.urandom(4).hex()}"
+    clean_stale_partials(out_dir)
     try:
         res = build(recipe, out=work, jobs=jobs, stream=True, progress=progress)
         _check_tensors(res.provenance, want_tensors, repo, revision)
         # the published small files, verbatim; then every file against the published manifest
         for name in small:
             dst = work / name
+            if name not in VERSIONED and dst.is_file() and dst.read_bytes() != (folder / name).read_bytes():
+                raise VerificationError(f"{repo}@{revision}: {name}: the published file differs from the one its "
+                                        "sources and recipe give")
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.unlink(missing_ok=True)
             shutil.copyfile(folder / name, dst)

@@ -353,3 +353,15 @@ def test_hub_download_artefacts_are_not_a_failure(mosaic: Path) -> None:
     # anything else hidden is still a failure
     (mosaic / ".cache" / "other").write_text("x")
     assert ("manifest", ".cache/other", None) in failures(mosaic)
+
+
+def test_an_overflowing_number_in_provenance_is_a_failure_not_a_traceback(mosaic: Path) -> None:
+    p = mosaic / "PROVENANCE.json"
+    text = p.read_text()
+    start = text.index('"exact": ') + len('"exact": ')
+    end = text.index(",", start)
+    p.write_text(text[:start] + "1e400" + text[end:])
+    regenerate_manifest(mosaic)
+    r = CliRunner().invoke(main, ["audit", str(mosaic)])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert any(c == "provenance" for c, _, _ in failures(mosaic))

@@ -222,3 +222,28 @@ def test_exl3_backend_needs_a_gpu(tmp_path: Path) -> None:
     r = CliRunner().invoke(main, ["eval", str(folder), "--reference", str(folder), "--text", str(tmp_path / "x.txt")])
     assert r.exit_code == 2 and r.stderr.startswith("mosaic: error: ") and r.stderr.count("\n") == 1
     assert "exl3" in r.stderr and ("GPU" in r.stderr or "extra" in r.stderr)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"PK\x03\x04 not really a zip", b"", b"plain text"],
+)
+def test_a_damaged_reference_file_is_a_one_line_error(tmp_path: Path, content: bytes) -> None:
+    from mosaic.eval.reference import load_reference
+
+    bad = tmp_path / "teacher.npz"
+    bad.write_bytes(content)
+    with pytest.raises(MosaicError, match="not a saved reference"):
+        load_reference(bad)
+
+
+def test_a_reference_with_a_bad_header_is_refused(tmp_path: Path) -> None:
+    from mosaic.eval.reference import FORMAT, load_reference
+
+    for meta in (b"[1]", json.dumps({"format": FORMAT}).encode(), b'{"format": "' + FORMAT.encode() + b'", "format": 1}'):
+        p = tmp_path / "r.npz"
+        with open(p, "wb") as f:
+            np.savez(f, meta=np.frombuffer(meta, np.uint8), tokens=np.zeros(0, np.int32), row_starts=np.zeros(1, np.int64),
+                     top_ids=np.zeros((0, 2), np.int32), top_lp=np.zeros((0, 2), np.float32))
+        with pytest.raises(MosaicError):
+            load_reference(p)

@@ -485,3 +485,33 @@ def test_failed_or_interrupted_build_removes_its_temporary_folder(tmp_path: Path
     assert (r.returncode, r.stderr.strip().splitlines()[-1]) == (rc, says), r.stderr
     assert "Traceback" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # no output, no temporary folder
+
+
+def _resign_manifest(folder: Path) -> None:
+    """A forger's step: the manifest made to agree with edited files, so only the deeper checks can object."""
+    import hashlib
+
+    from mosaic.records import FileRecord, manifest
+
+    recs = [FileRecord(p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in folder.iterdir() if p.name != "sha256-manifest.txt"]
+    (folder / "sha256-manifest.txt").write_bytes(manifest(recs))
+
+
+def test_provenance_with_a_repeated_key_a_repeated_tensor_or_a_failed_check_fails(built: Path) -> None:
+    p = built / "PROVENANCE.json"
+    original = p.read_text()
+    p.write_text(original.replace('{\n  "schema"', '{\n  "name": "x",\n  "schema"', 1))
+    _resign_manifest(built)
+    assert ("provenance", "PROVENANCE.json", None) in failures(built)
+    doc = json.loads(original)
+    doc["checks"][0]["ok"] = False
+    p.write_text(json.dumps(doc, indent=2))
+    _resign_manifest(built)
+    got = audit(built)
+    assert not got.ok and any("failed checks" in f.detail for f in got.failures)
+    doc = json.loads(original)
+    doc["tensors"].append(dict(doc["tensors"][0]))
+    p.write_text(json.dumps(doc, indent=2))
+    _resign_manifest(built)
+    assert any(f.check == "provenance" and "listed twice" in f.detail for f in audit(built).failures)

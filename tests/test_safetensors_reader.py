@@ -314,3 +314,12 @@ def test_fast_json_edges_match_the_strict_parse(raw: bytes) -> None:
     except UnicodeDecodeError:
         want = ("error", "UnicodeDecodeError")
     assert _outcome(strict_json_loadb, raw) == want
+
+
+@pytest.mark.parametrize("literal", ["1e400", "-1e400", "1.5e309"])
+def test_a_float_literal_that_overflows_is_refused_like_infinity(literal: str) -> None:
+    from mosaic.formats.safetensors_reader import strict_json_loadb, strict_json_loads
+
+    for parse in (strict_json_loads, lambda t: strict_json_loadb(t.encode())):
+        with pytest.raises(ValueError, match="overflows"):
+            parse('{"rate": {"exact": ' + literal + '}}')

@@ -368,3 +368,27 @@ def test_a_signed_mosaic_published_recipe_only_rebuilds_and_still_verifies(hub: 
     same_folder(out, tmp_path / "r")
     r = CliRunner().invoke(main, ["audit", str(tmp_path / "r"), "--key", str(pub)])
     assert r.exit_code == 0 and "signature: verified model.sig" in r.output, r.output
+
+
+def test_rebuild_refuses_a_published_file_its_sources_do_not_give(hub: FakeHub, published_mosaic, tmp_path: Path) -> None:  # noqa: F811
+    """A forged repo whose config.json was changed, with a manifest made to agree: not 'identical'."""
+    import hashlib
+
+    from mosaic.records import FileRecord, manifest
+
+    out, _ = published_mosaic
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    files["config.json"] = files["config.json"].replace(b"{", b'{"forged": 1, ', 1)
+    del files["sha256-manifest.txt"]
+    files["sha256-manifest.txt"] = manifest([FileRecord(n, len(b), hashlib.sha256(b).hexdigest()) for n, b in files.items()])
+    forged = hub.commit("test-org/forged", files)
+    r = CliRunner().invoke(main, ["rebuild", f"test-org/forged@{forged}", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 1 and "config.json: the published file differs" in r.stderr
+    assert not (tmp_path / "r").exists() and not [p for p in tmp_path.iterdir() if "mosaic-partial" in p.name]
+
+
+def test_rebuild_refuses_a_gguf_mosaic_before_downloading_anything(hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+    sha = hub.commit("test-org/gguf-mosaic", {"m.gguf": b"GGUF" + bytes(1000), "mosaic-recipe.yaml": b"name: m\n"})
+    r = CliRunner().invoke(main, ["rebuild", f"test-org/gguf-mosaic@{sha}", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 2 and "GGUF mosaic" in r.stderr
+    assert sum(hub.served.values()) == 0

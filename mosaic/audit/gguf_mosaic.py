@@ -11,12 +11,12 @@ digest against PROVENANCE.json, and every tensor against its source tensor, byte
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from pathlib import Path
 
 from mosaic.audit.report import AuditReport, NotAMosaic, walk_folder
+from mosaic.checkpoint.folder import load_json
 from mosaic.checkpoint.gguf_model import SPLIT_KEYS, GGUFModel, split_name
 from mosaic.errors import MosaicError, RecipeError
 from mosaic.formats.gguf_container import GGUFError, GGUFFile, read_gguf, type_name
@@ -54,9 +54,9 @@ def is_gguf_mosaic(folder: str | Path) -> bool:
 def _load_doc(rep: AuditReport, root: Path) -> dict | None:
     rep.ran.append("provenance")
     try:
-        doc = json.loads((root / PROVENANCE_NAME).read_bytes())
-    except (OSError, ValueError) as e:
-        rep.fail("provenance", f"not readable JSON: {e}", file=PROVENANCE_NAME)
+        doc = load_json(root / PROVENANCE_NAME, "provenance")  # strict: duplicate keys, NaN, overflow refused
+    except MosaicError as e:
+        rep.fail("provenance", str(e), file=PROVENANCE_NAME)
         return None
     errs = validation_errors(doc)
     for e in errs[:20]:
@@ -65,6 +65,16 @@ def _load_doc(rep: AuditReport, root: Path) -> dict | None:
         if not errs:
             rep.fail("provenance", "format is not 'gguf'", file=PROVENANCE_NAME)
         return None
+    failed = [c["name"] for c in doc["checks"] if not c["ok"]]
+    if failed:
+        rep.fail("provenance", f"the build recorded failed checks: {', '.join(failed)}", file=PROVENANCE_NAME)
+    for key, what in (("files", "files"), ("tensors", "tensors")):
+        seen: set[str] = set()
+        for item in doc[key]:
+            if item["name"] in seen:
+                rep.fail("provenance", f"listed twice in {what}", file=item.get("file", item["name"]),
+                         tensor=item["name"] if key == "tensors" else None)
+            seen.add(item["name"])
     return doc
 
 
@@ -156,10 +166,16 @@ def audit_gguf_mosaic(
 
     digests: dict[str, tuple[int, str]] = {}
     tensor_digest: dict[str, str] = {}
+    part_of: dict[str, str] = {}
     for name, size, sha, td in parallel_map(one, files, jobs):
         digests[name] = (size, sha)
         rep.digests[name] = sha  # a signature is checked against these, not read again
-        tensor_digest.update(td)
+        for t, dg in td.items():
+            if t in part_of:  # each part's reader refuses repeats within it; across parts, here
+                rep.fail("gguf", f"tensor also in {part_of[t]}: one model holds each tensor once", file=name, tensor=t)
+                continue
+            part_of[t] = name
+            tensor_digest[t] = dg
     for n, sha in manifest.items():
         if n in digests and digests[n][1] != sha:
             rep.fail("manifest", "SHA-256 differs from the manifest", file=n)

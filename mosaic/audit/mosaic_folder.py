@@ -87,6 +87,15 @@ def _expected_sources(recipe: Recipe, names: list[str]) -> list[str]:
 
 
 @bulk()
+def _differs(recorded: object, derived: Fraction) -> bool:
+    """A recorded rate against the one derived from the headers, exactly, to 5e-7; a value that is
+    not a finite number (the schema lets any number through) differs."""
+    try:
+        return abs(Fraction(recorded) - derived) > Fraction(5, 10**7)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return True
+
+
 def audit_mosaic(
     folder: str | Path,
     *,
@@ -278,14 +287,14 @@ def audit_mosaic(
         # Compared as fractions: the schema lets rate.exact be any number, 10**400 included, which
         # float() cannot hold; size is optional in the schema.
         exact = doc["rate"]["exact"] if doc is not None else None
-        if rate is not None and exact is not None and abs(Fraction(exact) - rate) > Fraction(5, 10**7):
+        if rate is not None and exact is not None and _differs(exact, rate):
             rep.fail("provenance", f"rate.exact is {str(exact)[:40]}, the headers give {float(rate):.6f}", file=PROVENANCE_NAME)
         if doc is not None and not analysis.ckpt.partial:
             parts = {k: v for k, v in part_rates(analysis.modules.values(), analysis.num_hidden_layers).items() if k != "decoder"}
             claimed = doc["rate"].get("outside") or {}
             for part in sorted(set(parts) | set(claimed)):
                 have, want = claimed.get(part), parts.get(part)
-                if have is None or want is None or abs(Fraction(have) - want) > Fraction(5, 10**7):
+                if have is None or want is None or _differs(have, want):
                     rep.fail("provenance", f"rate.outside.{part} is {have}, the headers give "
                              f"{float(want) if want is not None else None}", file=PROVENANCE_NAME)
         size = doc.get("size") if doc is not None else None

@@ -9,12 +9,14 @@ is scored against it only if its rows file and tokenizer are the same (the token
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from mosaic.errors import FormatError
+from mosaic.formats.safetensors_reader import strict_json_loadb
 
 FORMAT = "mosaic.eval-reference/v1"
 
@@ -49,14 +51,21 @@ def is_reference_file(path: str | Path) -> bool:
 def load_reference(path: str | Path) -> Reference:
     try:
         with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
+            meta = strict_json_loadb(bytes(z["meta"]))
             tokens, starts, ids, lp = z["tokens"], z["row_starts"], z["top_ids"], z["top_lp"]
-    except (OSError, ValueError, KeyError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: not a saved reference ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise FormatError(f"{path}: format {meta.get('format')!r}, expected {FORMAT}")
-    if ids.shape != lp.shape or ids.ndim != 2 or ids.shape[0] != meta.get("positions"):
+    except (OSError, ValueError, KeyError, UnicodeDecodeError, RecursionError, zipfile.BadZipFile, EOFError) as e:
+        raise FormatError(f"{path}: not a saved reference ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise FormatError(f"{path}: format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT}")
+    fields = {"model": str, "text_sha256": str, "tokenizer": dict, "ctx": int, "top_k": int, "positions": int}
+    bad = [k for k, t in fields.items() if not isinstance(meta.get(k), t) or isinstance(meta.get(k), bool)]
+    if bad:
+        raise FormatError(f"{path}: header field {bad[0]!r} missing or of the wrong type")
+    if ids.ndim != 2 or ids.shape != lp.shape or ids.shape[0] != meta["positions"] or ids.shape[1] != meta["top_k"]:
         raise FormatError(f"{path}: top-k arrays do not match their header")
+    if starts.ndim != 1 or len(starts) < 1 or starts[0] != 0 or starts[-1] != len(tokens) or np.any(np.diff(starts) < 0):
+        raise FormatError(f"{path}: row offsets do not match the tokens")
+    if ids.size and (ids.min() < 0 or not np.all(np.isfinite(lp))):
+        raise FormatError(f"{path}: top-k ids or log-probabilities out of range")
     rows = [tokens[starts[i]:starts[i + 1]] for i in range(len(starts) - 1)]
-    return Reference(str(meta["model"]), str(meta["text_sha256"]), dict(meta["tokenizer"]), int(meta["ctx"]),
-                     int(meta["top_k"]), rows, ids, lp)
+    return Reference(meta["model"], meta["text_sha256"], meta["tokenizer"], meta["ctx"], meta["top_k"], rows, ids, lp)

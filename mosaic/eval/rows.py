@@ -7,11 +7,11 @@ its SHA-256 goes into a saved reference, and a reference is refused for another 
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from mosaic.errors import FormatError
+from mosaic.formats.safetensors_reader import strict_json_loads
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,8 @@ def load_rows(path: str | Path) -> Rows:
             texts.append(ln)
             continue
         try:
-            doc = json.loads(ln)
-        except ValueError as e:
+            doc = strict_json_loads(ln)
+        except (ValueError, RecursionError) as e:
             raise FormatError(f"{p}: line {i}: not JSON ({e}); a JSONL file holds one object per line") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("text"), str) or not doc["text"]:
             raise FormatError(f"{p}: line {i}: needs a non-empty string field \"text\"")

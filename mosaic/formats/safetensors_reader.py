@@ -172,6 +172,15 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return obj
 
 
+def _finite_float(text: str) -> float:
+    """A number literal too large for a float (``1e400``) is refused like ``Infinity``: Python's json
+    would silently read it as inf, which no checkpoint or record means (orjson refuses it too)."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} overflows a 64-bit float")
+    return value
+
+
 def _reject_constant(name: str) -> object:
     raise ValueError(f"non-standard JSON constant {name}")
 
@@ -179,7 +188,7 @@ def _reject_constant(name: str) -> object:
 def strict_json_loads(text: str) -> object:
     """``json.loads`` without duplicate keys or NaN/Infinity. Raises :class:`DuplicateKey`, other
     ``ValueError`` s, or ``RecursionError`` for absurd nesting; shared by every JSON reader of mosaic."""
-    return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+    return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 #: An integer literal of 19 digits or more may not fit 64 bits: orjson reads those as floats, where

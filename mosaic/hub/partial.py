@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mosaic.errors import VerificationError
+from mosaic.formats.safetensors_reader import MAX_HEADER_SIZE
 from mosaic.hashing import parallel_map
 from mosaic.hub.ranges import RangeReader
 from mosaic.hub.snapshot import HubFile, digest_local, hf_constants, hub_listing, matches_hub, require_pinned
@@ -172,8 +173,11 @@ class PartialSnapshot:
             pos = [start]
 
             def sink(data: bytes) -> None:
-                os.pwrite(fd, data, pos[0])
-                pos[0] += len(data)
+                view = memoryview(data)
+                while view:  # a short write must not leave zeros behind a digest of the full data
+                    n = os.pwrite(fd, view, pos[0])
+                    pos[0] += n
+                    view = view[n:]
                 h.update(data)
                 advance(len(data))
 
@@ -277,7 +281,8 @@ class PartialSnapshot:
                 continue
             with open(self.folder / n, "rb") as fh:
                 length = int.from_bytes(fh.read(8), "little")
-            end = min(8 + length, size)  # the strict reader names a header longer than its file
+            # the strict reader names a header longer than its file or than safetensors allows; never read past that
+            end = min(8 + length, size, 8 + MAX_HEADER_SIZE)
             if end > HEADER_PROBE:
                 rest[n] = [(HEADER_PROBE, end)]
         return got + (self.ensure(rest, jobs=jobs, progress=progress) if rest else 0)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urljoin
+from urllib.parse import urljoin, urlsplit
 
 from mosaic.errors import SourceError, VerificationError
 from mosaic.hub.snapshot import HubFile, require_pinned, scrub_token
@@ -35,6 +35,14 @@ class RangeError(SourceError):
 
 class _Transient(Exception):
     """A failure worth another try: a dropped connection, a short body, a 5xx, a timeout."""
+
+
+class _SinkFailed(Exception):
+    """Writing what was read failed locally; carries the OSError out past the network retries."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _strip(etag: str | None) -> str:
@@ -96,13 +104,17 @@ class RangeReader:
         headers = {**build_hf_headers(), "Range": f"bytes={pos}-{end - 1}", "Accept-Encoding": "identity"}
         session = get_session()
         self._count(0, request=True)
+        named = False  # whether an answer from the hub itself has named the pinned commit yet
         try:
             for _hop in range(6):  # the hub redirects LFS files to its storage; follow, checking the hub's answer
                 with session.stream("GET", url, headers=headers, timeout=self.timeout, follow_redirects=False) as r:
                     if r.status_code in (301, 302, 303, 307, 308):
                         self._check_identity(f, r.headers)
-                        url = urljoin(url, r.headers.get("Location", ""))
-                        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+                        named = named or "x-repo-commit" in r.headers
+                        target = urljoin(url, r.headers.get("Location", ""))
+                        if urlsplit(target).netloc != urlsplit(url).netloc:  # the token stays with the hub
+                            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+                        url = target
                         continue
                     if r.status_code >= 500 or r.status_code == 429:
                         raise _Transient(f"HTTP {r.status_code}")
@@ -111,13 +123,18 @@ class RangeReader:
                             f"{self.repo}@{self.revision}: {f.name}: the hub answered HTTP {r.status_code} to a range "
                             f"request{': ' + r.headers.get('X-Error-Message', '') if r.headers.get('X-Error-Message') else ''}"
                         )
-                    if "x-repo-commit" in r.headers or "etag" in r.headers:
-                        self._check_identity(f, r.headers)
+                    self._check_identity(f, r.headers)
+                    if not named and "x-repo-commit" not in r.headers:
+                        raise RangeError(f"{self.repo}@{self.revision}: {f.name}: the answer names no commit "
+                                         "(X-Repo-Commit); not a Hugging Face Hub endpoint?")
                     self._check_content_range(f, r.headers.get("Content-Range", ""), pos, end)
                     for chunk in r.iter_raw(CHUNK):
                         take = chunk[: end - pos]
                         if take:
-                            sink(take)
+                            try:
+                                sink(take)
+                            except OSError as e:  # the local disk (full, failing): not worth a retry
+                                raise _SinkFailed(e) from e
                             pos += len(take)
                             at[0] = pos
                             self._count(len(take))
@@ -127,6 +144,8 @@ class RangeReader:
                         raise _Transient(f"connection closed at byte {pos}, {end - pos} bytes short")
                     return
             raise RangeError(f"{self.repo}@{self.revision}: {f.name}: too many redirects")
+        except _SinkFailed as e:
+            raise e.error from None
         except (httpx2.TransportError, httpx2.StreamError, OSError) as e:
             raise _Transient(f"{type(e).__name__}: {e}") from None
 
