@@ -23,7 +23,8 @@ MAX_RECIPE_BYTES = 1 << 20
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _ID_RE = re.compile(r"^[a-z0-9_-]+$")
 _REV_RE = re.compile(r"^[0-9a-f]{40}$")
-_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: ORG/NAME as the hub spells repository names (the one definition; the hub client uses it too).
+REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _RANGE_RE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 _COMPONENT_RE = re.compile(r"^[A-Za-z0-9_*?\[\]!-]+$")
 
@@ -143,7 +144,7 @@ class Recipe:
 def parse_hub_ref(text: str) -> tuple[str, str] | None:
     """``org/name@<40-hex commit>`` as (repo, revision); None for anything else (a folder, say)."""
     repo, sep, rev = text.partition("@")
-    if sep and _REPO_RE.match(repo) and _REV_RE.match(rev):
+    if sep and REPO_RE.match(repo) and _REV_RE.match(rev):
         return repo, rev
     return None
 
@@ -289,7 +290,7 @@ def _source(path: Path, field: str, sid: str, value: object) -> SourceSpec:
     if "repo" not in m:
         raise _fail(path, field, "needs path, or repo + revision")
     repo = _string(path, f"{field}.repo", m["repo"])
-    if not _REPO_RE.match(repo):
+    if not REPO_RE.match(repo):
         raise _fail(path, f"{field}.repo", f"{repo!r} is not an org/name repository id")
     rev = m.get("revision")
     if not isinstance(rev, str) or not _REV_RE.match(rev):

@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from mosaic.errors import SourceError, VerificationError
+from mosaic.recipe import REPO_RE
 
 RECORD_SCHEMA = "mosaic.verified/v1"
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
-#: ORG/NAME as the hub spells repository names.
-REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _CHUNK = 8 << 20
 
 

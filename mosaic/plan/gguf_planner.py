@@ -34,7 +34,7 @@ from mosaic.gguf_sources import open_gguf_source
 from mosaic.plan.scores import ScoresError, _layer_key, _number
 from mosaic.plan.solver import Option, Solution, choose_count, greedy, solve_pareto
 from mosaic.plan.units import PlanError
-from mosaic.recipe import _REPO_RE, _REV_RE, Recipe, SourceSpec, component_match, layer_runs, parse_recipe
+from mosaic.recipe import _REV_RE, REPO_RE, Recipe, SourceSpec, component_match, layer_runs, parse_recipe
 
 _HUB_RE = re.compile(r"^(?P<repo>[^@]+)@(?P<rev>[0-9a-f]{40}):(?P<file>.+)$")
 
@@ -49,7 +49,7 @@ def is_gguf_src(text: str) -> bool:
 def gguf_source(text: str, what: str, sid: str) -> SourceSpec:
     m = _HUB_RE.match(text)
     if m and not Path(text).exists():
-        if not _REPO_RE.match(m["repo"]) or not _REV_RE.match(m["rev"]):
+        if not REPO_RE.match(m["repo"]) or not _REV_RE.match(m["rev"]):
             raise MosaicError(f"{what}: {text!r} is not org/name@<40-hex commit>:<file or glob>")
         return SourceSpec(sid, repo=m["repo"], revision=m["rev"], file=m["file"])
     return SourceSpec(sid, path=text)

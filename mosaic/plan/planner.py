@@ -42,8 +42,8 @@ from mosaic.plan.solver import Option, Solution, choose_count, greedy, solve_par
 from mosaic.plan.units import PlanError, Unit, find_units
 from mosaic.recipe import (
     _ID_RE,
-    _REPO_RE,
     _REV_RE,
+    REPO_RE,
     Recipe,
     SourceSpec,
     layer_runs,
@@ -74,7 +74,7 @@ def parse_source(text: str, what: str, source_id: str, hub_bytes: dict[str, int]
     from mosaic.sources import hub_folder
 
     repo, sep, rev = text.partition("@")
-    if sep and _REPO_RE.match(repo) and not Path(text).exists():
+    if sep and REPO_RE.match(repo) and not Path(text).exists():
         if not _REV_RE.match(rev):
             raise MosaicError(f"{what}: {text!r}: the revision must be a full 40-hex commit hash")
         folder, snap = hub_folder(repo, rev)
