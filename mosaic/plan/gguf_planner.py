@@ -13,9 +13,6 @@ preflight and layout (:func:`mosaic.build.gguf_plan.plan_gguf`): the predicted s
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -31,7 +28,7 @@ from mosaic.errors import MosaicError, VerificationError
 from mosaic.formats.gguf_container import align, layout
 from mosaic.gguf_select import GROUPS, module_patterns
 from mosaic.gguf_sources import open_gguf_source
-from mosaic.plan.scores import ScoresError, _layer_key, _number
+from mosaic.plan.scores import ScoresError, read_scores_file
 from mosaic.plan.solver import Option, Solution, choose_count, greedy, solve_pareto
 from mosaic.plan.units import PlanError
 from mosaic.recipe import _REV_RE, REPO_RE, Recipe, SourceSpec, component_match, layer_runs, parse_recipe
@@ -82,37 +79,9 @@ def find_gguf_units(base: GGUFModel, kind: str) -> list[GUnit]:
 
 def load_layer_scores(path: Path, units: list[GUnit], donor: str, layers: set[int]) -> tuple[dict[tuple[int, str], Fraction], list[str]]:
     """Per-layer JSON (``higher_is_better`` + ``scores``) or CSV (``layer,score``): (unit, donor) -> score."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ScoresError(f"{path}: cannot read scores: {e}") from None
-    raw: dict[int, Fraction] = {}
-    if text.lstrip().startswith("{"):
-        try:
-            doc = json.loads(text, parse_float=Decimal)
-        except ValueError as e:
-            raise ScoresError(f"{path}: not valid JSON: {e}") from None
-        if "groups" in doc and "alts" in doc:
-            raise ScoresError(f"{path}: exllamav3's measurement JSON ranks EXL3 modules; a GGUF plan takes per-layer scores")
-        if set(doc) - {"higher_is_better", "scores"} or not isinstance(doc.get("higher_is_better"), bool) \
-                or not isinstance(doc.get("scores"), dict) or not doc["scores"]:
-            raise ScoresError(f"{path}: a scores file holds higher_is_better (true/false) and scores (layer -> number)")
-        sign = 1 if doc["higher_is_better"] else -1
-        raw = {_layer_key(k, f"{path}: scores"): sign * _number(v, f"{path}: scores[{k!r}]") for k, v in doc["scores"].items()}
-    else:
-        rows = [r for r in csv.reader(io.StringIO(text)) if r and any(c.strip() for c in r)]
-        if not rows or [c.strip().lower() for c in rows[0]] != ["layer", "score"]:
-            raise ScoresError(f"{path}: neither JSON nor CSV with the header line 'layer,score'")
-        for i, r in enumerate(rows[1:], start=2):
-            if len(r) != 2:
-                raise ScoresError(f"{path}: line {i}: expected 2 columns, got {len(r)}")
-            layer = _layer_key(r[0].strip(), f"{path}: line {i}")
-            if layer in raw:
-                raise ScoresError(f"{path}: line {i}: layer {layer} scored twice")
-            try:
-                raw[layer] = Fraction(Decimal(r[1].strip()))
-            except (InvalidOperation, ValueError):
-                raise ScoresError(f"{path}: line {i}: score {r[1]!r} is not a number") from None
+    measurement, raw = read_scores_file(path)
+    if measurement is not None:
+        raise ScoresError(f"{path}: exllamav3's measurement JSON ranks EXL3 modules; a GGUF plan takes per-layer scores")
     unit_of = {u.layer: u for u in units}
     out: dict[tuple[int, str], Fraction] = {}
     notes = []

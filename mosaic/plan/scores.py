@@ -106,55 +106,59 @@ def _measurement(doc: dict, units: list[Unit], base: Analysis, donors: list[str]
     return sums, notes
 
 
-def load_scores(path: Path, units: list[Unit], kind: str, base: Analysis, donors: list[str]) -> tuple[dict[tuple[int, str], Fraction], list[str]]:
-    """(unit index, donor id) -> score, higher is better; plus notes about ignored entries."""
+def read_scores_file(path: Path) -> tuple[dict | None, dict[int, Fraction]]:
+    """A scores file read strictly: (exllamav3's measurement JSON, {}) when it is one, else
+    (None, layer -> score with higher better) from the per-layer JSON or CSV. Shared by both planners."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ScoresError(f"{path}: cannot read scores: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise ScoresError(f"{path}: scores file is not UTF-8") from None
-    layers = set(base.layers())
-    stripped = text.lstrip()
-    if stripped.startswith("{"):
+    if text.lstrip().startswith("{"):
         try:
             doc = json.loads(text, parse_float=Decimal, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
         except (ValueError, RecursionError) as e:
             raise ScoresError(f"{path}: not valid JSON: {e}") from None
         if "groups" in doc and "alts" in doc:
-            scores, notes = _measurement(doc, units, base, donors, path)
-        else:
-            if set(doc) - {"higher_is_better", "scores"}:
-                raise ScoresError(f"{path}: unknown field(s) {sorted(set(doc) - {'higher_is_better', 'scores'})} "
-                                  "(a scores file holds higher_is_better and scores; a measurement JSON groups and alts)")
-            hib = doc.get("higher_is_better")
-            if not isinstance(hib, bool):
-                raise ScoresError(f"{path}: higher_is_better must be true or false")
-            raw_scores = doc.get("scores")
-            if not isinstance(raw_scores, dict) or not raw_scores:
-                raise ScoresError(f"{path}: scores must be a non-empty object of layer -> number")
-            sign = 1 if hib else -1
-            raw = {_layer_key(k, f"{path}: scores"): sign * _number(v, f"{path}: scores[{k!r}]") for k, v in raw_scores.items()}
-            scores, notes = _per_layer(raw, units, kind, donors, path, layers)
+            return doc, {}
+        if set(doc) - {"higher_is_better", "scores"}:
+            raise ScoresError(f"{path}: unknown field(s) {sorted(set(doc) - {'higher_is_better', 'scores'})} "
+                              "(a scores file holds higher_is_better and scores; a measurement JSON groups and alts)")
+        hib = doc.get("higher_is_better")
+        if not isinstance(hib, bool):
+            raise ScoresError(f"{path}: higher_is_better must be true or false")
+        raw_scores = doc.get("scores")
+        if not isinstance(raw_scores, dict) or not raw_scores:
+            raise ScoresError(f"{path}: scores must be a non-empty object of layer -> number")
+        sign = 1 if hib else -1
+        return None, {_layer_key(k, f"{path}: scores"): sign * _number(v, f"{path}: scores[{k!r}]") for k, v in raw_scores.items()}
+    rows = [r for r in csv.reader(io.StringIO(text)) if r and any(c.strip() for c in r)]
+    if not rows or [c.strip().lower() for c in rows[0]] != ["layer", "score"]:
+        raise ScoresError(f"{path}: neither JSON nor CSV with the header line 'layer,score'")
+    raw: dict[int, Fraction] = {}
+    for i, r in enumerate(rows[1:], start=2):
+        if len(r) != 2:
+            raise ScoresError(f"{path}: line {i}: expected 2 columns, got {len(r)}")
+        layer = _layer_key(r[0].strip(), f"{path}: line {i}")
+        if layer in raw:
+            raise ScoresError(f"{path}: line {i}: layer {layer} scored twice")
+        try:
+            raw[layer] = Fraction(Decimal(r[1].strip()))
+        except (InvalidOperation, ValueError):
+            raise ScoresError(f"{path}: line {i}: score {r[1]!r} is not a number") from None
+    if not raw:
+        raise ScoresError(f"{path}: no scores after the header line")
+    return None, raw
+
+
+def load_scores(path: Path, units: list[Unit], kind: str, base: Analysis, donors: list[str]) -> tuple[dict[tuple[int, str], Fraction], list[str]]:
+    """(unit index, donor id) -> score, higher is better; plus notes about ignored entries."""
+    measurement, raw = read_scores_file(path)
+    if measurement is not None:
+        scores, notes = _measurement(measurement, units, base, donors, path)
     else:
-        rows = list(csv.reader(io.StringIO(text)))
-        rows = [r for r in rows if r and any(c.strip() for c in r)]
-        if not rows or [c.strip().lower() for c in rows[0]] != ["layer", "score"]:
-            raise ScoresError(f"{path}: neither JSON nor CSV with the header line 'layer,score'")
-        raw = {}
-        for i, r in enumerate(rows[1:], start=2):
-            if len(r) != 2:
-                raise ScoresError(f"{path}: line {i}: expected 2 columns, got {len(r)}")
-            layer = _layer_key(r[0].strip(), f"{path}: line {i}")
-            if layer in raw:
-                raise ScoresError(f"{path}: line {i}: layer {layer} scored twice")
-            try:
-                raw[layer] = Fraction(Decimal(r[1].strip()))
-            except (InvalidOperation, ValueError):
-                raise ScoresError(f"{path}: line {i}: score {r[1]!r} is not a number") from None
-        if not raw:
-            raise ScoresError(f"{path}: no scores after the header line")
-        scores, notes = _per_layer(raw, units, kind, donors, path, layers)
+        scores, notes = _per_layer(raw, units, kind, donors, path, set(base.layers()))
     if not scores:
         raise ScoresError(f"{path}: no score applies to any unit of kind {kind} (missing scores)")
     return scores, notes
