@@ -15,7 +15,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from mosaic.audit.report import AuditReport, NotAMosaic, walk_folder
+from mosaic.audit.report import AuditReport, NotAMosaic, check_manifest, walk_folder
 from mosaic.checkpoint.folder import load_json
 from mosaic.checkpoint.gguf_model import SPLIT_KEYS, GGUFModel, split_name
 from mosaic.errors import MosaicError, RecipeError
@@ -31,7 +31,6 @@ from mosaic.records import (
     MANIFEST_NAME,
     PROVENANCE_NAME,
     RECIPE_NAME,
-    parse_manifest,
     validation_errors,
 )
 
@@ -117,21 +116,7 @@ def audit_gguf_mosaic(
     files = walk_folder(root, rep)
     fileset = set(files)
 
-    rep.ran.append("manifest")
-    manifest: dict[str, str] = {}
-    if MANIFEST_NAME not in fileset:
-        rep.fail("manifest", "missing", file=MANIFEST_NAME)
-    else:
-        try:
-            manifest = parse_manifest((root / MANIFEST_NAME).read_bytes(), MANIFEST_NAME)
-        except ValueError as e:
-            rep.fail("manifest", str(e), file=MANIFEST_NAME)
-        for n in files:
-            if n != MANIFEST_NAME and n not in manifest:
-                rep.fail("manifest", "file in the folder is not listed in the manifest", file=n)
-        for n in manifest:
-            if n not in fileset:
-                rep.fail("manifest", "listed in the manifest but missing from the folder", file=n)
+    manifest = check_manifest(rep, root, files)
 
     doc = _load_doc(rep, root)
     parts: list[str] = list(doc["gguf"]["parts"]) if doc else sorted(n for n in files if n.endswith(".gguf"))

@@ -17,7 +17,7 @@ from collections import defaultdict
 from fractions import Fraction
 from pathlib import Path
 
-from mosaic.audit.report import AuditReport, NotAMosaic, walk_folder
+from mosaic.audit.report import AuditReport, NotAMosaic, check_manifest, walk_folder
 from mosaic.card import extract_block, render_block
 from mosaic.checkpoint.census import analyze
 from mosaic.checkpoint.exl3 import parse_key, part_rates
@@ -26,11 +26,10 @@ from mosaic.checkpoint.folder import (
     INDEX_NAME,
     QCONFIG_NAME,
     bulk,
-    check_relative_name,
     load_json,
     open_checkpoint,
 )
-from mosaic.errors import CheckpointError, FormatError, MosaicError, RecipeError, SafetensorsError
+from mosaic.errors import FormatError, MosaicError, RecipeError, SafetensorsError
 from mosaic.formats.safetensors_reader import ShardHeader, read_header
 from mosaic.hashing import digest_file, parallel_map
 from mosaic.progress import SILENT, Reporter
@@ -41,7 +40,6 @@ from mosaic.records import (
     PROVENANCE_NAME,
     RECIPE_NAME,
     SCHEMA_ID,
-    parse_manifest,
     validation_errors,
 )
 
@@ -116,28 +114,7 @@ def audit_mosaic(
     files = walk_folder(root, rep)
     fileset = set(files)
 
-    # --- manifest ------------------------------------------------------------------------------
-    rep.ran.append("manifest")
-    manifest: dict[str, str] = {}
-    if MANIFEST_NAME not in fileset:
-        rep.fail("manifest", "missing", file=MANIFEST_NAME)
-    else:
-        try:
-            manifest = parse_manifest((root / MANIFEST_NAME).read_bytes(), MANIFEST_NAME)
-        except ValueError as e:
-            rep.fail("manifest", str(e), file=MANIFEST_NAME)
-        for name in list(manifest):
-            try:
-                check_relative_name(name, "name", MANIFEST_NAME)
-            except CheckpointError as e:
-                rep.fail("manifest", str(e), file=MANIFEST_NAME)
-                del manifest[name]
-        for name in files:
-            if name != MANIFEST_NAME and name not in manifest:
-                rep.fail("manifest", "file in the folder is not listed in the manifest", file=name)
-        for name in manifest:
-            if name not in fileset:
-                rep.fail("manifest", "listed in the manifest but missing from the folder", file=name)
+    manifest = check_manifest(rep, root, files)
 
     # --- headers of every shard (exllamav3 loads every *.safetensors in the folder) --------------
     rep.ran.append("safetensors")

@@ -14,8 +14,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mosaic.errors import MosaicError
-from mosaic.records import HUB_ARTEFACTS, SIGNATURE_NAME
+from mosaic.checkpoint.folder import check_relative_name
+from mosaic.errors import CheckpointError, MosaicError
+from mosaic.records import HUB_ARTEFACTS, MANIFEST_NAME, SIGNATURE_NAME, parse_manifest
 
 
 @dataclass
@@ -104,3 +105,31 @@ def walk_folder(root: Path, rep: AuditReport) -> list[str]:
 
 def audit_report_json(reports: list[AuditReport]) -> dict[str, object]:
     return {"ok": all(r.ok for r in reports), "mosaics": [r.as_dict() for r in reports]}
+
+
+def check_manifest(rep: AuditReport, root: Path, files: list[str]) -> dict[str, str]:
+    """The manifest against the folder, for every kind of mosaic: strictly parsed, every name a safe
+    relative name, every other file listed and every listed file present. Returns name -> SHA-256."""
+    rep.ran.append("manifest")
+    manifest: dict[str, str] = {}
+    fileset = set(files)
+    if MANIFEST_NAME not in fileset:
+        rep.fail("manifest", "missing", file=MANIFEST_NAME)
+        return manifest
+    try:
+        manifest = parse_manifest((root / MANIFEST_NAME).read_bytes(), MANIFEST_NAME)
+    except ValueError as e:
+        rep.fail("manifest", str(e), file=MANIFEST_NAME)
+    for name in list(manifest):
+        try:
+            check_relative_name(name, "name", MANIFEST_NAME)
+        except CheckpointError as e:
+            rep.fail("manifest", str(e), file=MANIFEST_NAME)
+            del manifest[name]
+    for name in files:
+        if name != MANIFEST_NAME and name not in manifest:
+            rep.fail("manifest", "file in the folder is not listed in the manifest", file=name)
+    for name in manifest:
+        if name not in fileset:
+            rep.fail("manifest", "listed in the manifest but missing from the folder", file=name)
+    return manifest
