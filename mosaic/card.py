@@ -9,11 +9,13 @@ outside them (the manifest still covers the file).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import yaml
 
 from mosaic.checkpoint.exl3 import bits_from_trellis, parse_key
 from mosaic.recipe import layer_runs
+from mosaic.records import column
 
 BEGIN = "<!-- mosaic:begin (generated from PROVENANCE.json; `mosaic audit` checks this block) -->"
 END = "<!-- mosaic:end -->"
@@ -41,18 +43,17 @@ def _fmt_rate(r: float | None, digits: int = 4) -> str:
     return "—" if r is None else f"{r:.{digits}f}"
 
 
-def layer_table(tensors: list[dict]) -> list[tuple[list[int], dict[str, str]]]:
+def layer_table(tensors: Sequence[dict]) -> list[tuple[list[int], dict[str, str]]]:
     """Layers grouped by identical (group → 'source bits') signatures, in layer order."""
     per_layer: dict[int, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
-    for t in tensors:
-        name = t["name"]
+    for name, shape, source in zip(column(tensors, "name"), column(tensors, "shape"), column(tensors, "source")):
         if not name.endswith(".trellis"):
             continue
         info = parse_key(name[: -len(".trellis")])
         if info.layer is None:
             continue
-        bits = bits_from_trellis(tuple(t["shape"]))
-        per_layer[info.layer][info.group].add(f"{t['source']} {bits:g}" if bits is not None else t["source"])
+        bits = bits_from_trellis(tuple(shape))
+        per_layer[info.layer][info.group].add(f"{source} {bits:g}" if bits is not None else source)
     rows: list[tuple[list[int], dict[str, str]]] = []
     for layer in sorted(per_layer):
         sig = {g: " + ".join(sorted(v)) for g, v in per_layer[layer].items()}
@@ -69,8 +70,8 @@ def render_block(doc: dict) -> str:
     size = doc["size"]
     srcs = doc["sources"]
     n_tensors = len(doc["tensors"])
-    n_donor = sum(1 for t in doc["tensors"] if t["source"] != "base")
-    shards = sorted({t["file"] for t in doc["tensors"]})
+    n_donor = sum(1 for s in column(doc["tensors"], "source") if s != "base")
+    shards = sorted(set(column(doc["tensors"], "file")))
     lines = [BEGIN, "", "## At a glance", "", "| | |", "|---|---|"]
     lines.append(f"| Exact trellis rate | {_fmt_rate(rate['exact'])} bpw (`config.json` bits: {rate['config_bits']}) |")
     lines.append(f"| Size | {size['shards']:,} bytes in {len(shards)} shard(s); base {size['base_shards']:,} bytes |")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -43,6 +43,62 @@ class FileRecord:
 
     def as_dict(self) -> dict[str, object]:
         return {"name": self.name, "size": self.size, "sha256": self.sha256}
+
+
+_TENSOR_ORDER = ("name", "file", "dtype", "shape", "nbytes", "sha256", "source")
+
+
+@dataclass(frozen=True, eq=False)
+class TensorColumns(Sequence[dict]):
+    """PROVENANCE ``tensors`` as seven columns instead of one dict per record.
+
+    A GLM-5.3 mosaic has 151,000 tensor records; as dicts they are ~60 MB and most of a build's
+    serialization time, as columns they share the plan's own strings and integers. Reads as the list
+    of dicts it stands for (indexing, iteration, equality); :func:`validation_errors` and
+    :func:`dumps` work on the columns directly."""
+
+    name: list[str]
+    file: list[str]
+    dtype: list[str]
+    shape: list[tuple[int, ...]]
+    nbytes: list[int]
+    sha256: list[str]
+    source: list[str]
+
+    def __post_init__(self) -> None:
+        if len({len(getattr(self, k)) for k in _TENSOR_ORDER}) != 1:
+            raise ValueError("tensor columns of different lengths")
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    def _record(self, i: int) -> dict:
+        shape = self.shape[i]
+        return {"name": self.name[i], "file": self.file[i], "dtype": self.dtype[i],
+                "shape": list(shape) if type(shape) is tuple else shape,
+                "nbytes": self.nbytes[i], "sha256": self.sha256[i], "source": self.source[i]}
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
+        if isinstance(i, slice):
+            return [self._record(j) for j in range(*i.indices(len(self)))]
+        return self._record(range(len(self))[i])
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self._record(i) for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TensorColumns):
+            return all(getattr(self, k) == getattr(other, k) for k in _TENSOR_ORDER)
+        return isinstance(other, list) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def column(tensors: Sequence[dict], key: str) -> list:
+    """One field of every tensor record, from columns or from a parsed list of dicts."""
+    if isinstance(tensors, TensorColumns):
+        return getattr(tensors, key)
+    return [t[key] for t in tensors]
 
 
 @lru_cache(maxsize=1)
@@ -105,6 +161,22 @@ def _surely_valid_tensors(tensors: list[object]) -> bool:
     )
 
 
+def _surely_valid_columns(t: TensorColumns) -> bool:
+    """:func:`_surely_valid_tensors` for records held as columns (the build's own)."""
+    return (
+        all(type(x) is str for x in chain(t.name, t.file, t.dtype, t.sha256, t.source))
+        and "" not in t.name
+        and all(x != "" and _BAD_NAME_RE.search(x) is None for x in set(t.file))
+        and "" not in t.dtype
+        and all(type(s) is tuple for s in t.shape)
+        and all(type(d) is int and d >= 0 for d in chain.from_iterable(set(t.shape)))
+        and all(type(n) is int and n >= 0 for n in t.nbytes)
+        and all(len(h) == 64 for h in t.sha256)
+        and _HEX_RE.fullmatch("".join(t.sha256)) is not None
+        and all(_ID_RE.match(x) is not None for x in set(t.source))
+    )
+
+
 def _format(e: jsonschema.ValidationError, prefix: tuple[object, ...] = ()) -> str:
     path = "/".join(map(str, (*prefix, *e.absolute_path))) or "(root)"
     return f"{path}: {e.message[:300]}"
@@ -118,10 +190,14 @@ def validation_errors(doc: object) -> list[str]:
     validator, which has the last word."""
     v = _validator()
     tensors = doc.get("tensors") if isinstance(doc, dict) else None
-    if not isinstance(tensors, list):
+    if not isinstance(tensors, (list, TensorColumns)):
         return [_format(e) for e in sorted(v.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
     rest = {**doc, "tensors": []}
     out = [_format(e) for e in sorted(v.iter_errors(rest), key=lambda e: list(map(str, e.absolute_path)))]
+    if isinstance(tensors, TensorColumns):
+        if _surely_valid_columns(tensors):
+            return out
+        tensors = list(tensors)
     item_schema = schema()["properties"]["tensors"]["items"]
     item_validator = v.evolve(schema={**item_schema, "$defs": schema()["$defs"]})
     if _surely_valid_tensors(tensors):
@@ -134,8 +210,6 @@ def validation_errors(doc: object) -> list[str]:
 
 _ENCODER = json.JSONEncoder(separators=(", ", ": "), ensure_ascii=False)
 
-
-_TENSOR_ORDER = ("name", "file", "dtype", "shape", "nbytes", "sha256", "source")
 #: What the encoder would escape in a string (ensure_ascii=False): quote, backslash, control characters.
 _ESCAPED = re.compile(r'["\\\x00-\x1f]')
 
@@ -162,6 +236,42 @@ def _tensor_lines(items: list[object], indent: str) -> list[str] | None:
     ]
 
 
+def _column_lines(t: TensorColumns, indent: str, start: int, stop: int) -> list[str] | None:
+    """:func:`_tensor_lines` for records held as columns, rows ``start:stop``; None when a value is
+    not of the plain shape the f-string is exact for."""
+    cols = [c[start:stop] for c in (t.name, t.file, t.dtype, t.sha256, t.source)]
+    shapes, nbytes = t.shape[start:stop], t.nbytes[start:stop]
+    if not (
+        all(type(x) is str for x in chain.from_iterable(cols))
+        and not any(_ESCAPED.search("".join(c)) for c in cols)
+        and all(type(s) is tuple for s in shapes)
+        and all(type(d) is int for d in chain(nbytes, chain.from_iterable(set(shapes))))
+    ):
+        return None
+    text = {s: "[" + ", ".join(map(str, s)) + "]" for s in set(shapes)}
+    return [
+        f'{indent}{{"name": "{n}", "file": "{f}", "dtype": "{d}", "shape": {text[s]}, "nbytes": {b}, "sha256": "{h}", "source": "{o}"}}'
+        for n, f, d, h, o, s, b in zip(*cols, shapes, nbytes)
+    ]
+
+
+#: Tensor records per chunk when PROVENANCE.json is streamed (about 2 MB of text)
+_ROWS_PER_CHUNK = 8192
+
+
+def _list_chunks(items: Sequence[object], indent: str, tensors: bool) -> Iterator[str]:
+    """The lines of a list, in chunks of ``",\n"``-joined lines (the first without a separator)."""
+    encode = _ENCODER.encode
+    for start in range(0, len(items), _ROWS_PER_CHUNK):
+        stop = min(start + _ROWS_PER_CHUNK, len(items))
+        if isinstance(items, TensorColumns):
+            lines = _column_lines(items, indent, start, stop) or [indent + encode(i) for i in items[start:stop]]
+        else:
+            part = list(items[start:stop])
+            lines = (_tensor_lines(part, indent) if tensors else None) or [indent + encode(i) for i in part]
+        yield ("" if start == 0 else ",\n") + ",\n".join(lines)
+
+
 def _list_lines(items: Iterable[object], indent: str, tensors: bool = False) -> list[str]:
     encode = _ENCODER.encode
     fast = _tensor_lines(items, indent) if tensors and isinstance(items, list) else None  # type: ignore[arg-type]
@@ -173,23 +283,21 @@ def _dump_list(items: Iterable[object], indent: str, tensors: bool = False) -> s
     return "[\n" + ",\n".join(lines) + "\n" + indent[:-2] + "]" if lines else "[]"
 
 
-def dumps(doc: dict) -> bytes:
-    """Deterministic JSON: top-level keys in order, each list item on its own line.
+def dump_chunks(doc: dict) -> Iterator[bytes]:
+    """Deterministic JSON, as byte chunks: top-level keys in order, each list item on its own line.
 
-    Written as byte chunks joined once: at 151,000 tensor records (40 MB) every intermediate copy
-    of the text is 40 MB more at the build's peak, so the long lists are encoded on their own."""
-    parts: list[list[bytes]] = []
-    for k, v in doc.items():
-        head = f"  {json.dumps(k)}: "
-        if isinstance(v, list):
-            lines = _list_lines(v, "    ", tensors=k == "tensors")
-            if not lines:
-                parts.append([(head + "[]").encode("utf-8")])
+    Streamed: at 151,000 tensor records (40 MB of text) the file is written and hashed a few
+    thousand records at a time, never held whole."""
+    for i, (k, v) in enumerate(doc.items()):
+        head = ("{\n" if i == 0 else ",\n") + f"  {json.dumps(k)}: "
+        if isinstance(v, (list, TensorColumns)):
+            if not len(v):
+                yield (head + "[]").encode("utf-8")
                 continue
-            body = ",\n".join(lines)
-            del lines
-            parts.append([(head + "[\n").encode("utf-8"), body.encode("utf-8"), b"\n  ]"])
-            del body
+            yield (head + "[\n").encode("utf-8")
+            for chunk in _list_chunks(v, "    ", tensors=k == "tensors"):
+                yield chunk.encode("utf-8")
+            yield b"\n  ]"
             continue
         if k == "sources":
             inner = []
@@ -200,14 +308,13 @@ def dumps(doc: dict) -> bytes:
             text = "{\n" + ",\n".join(inner) + "\n  }"
         else:
             text = json.dumps(v, ensure_ascii=False, separators=(", ", ": "))
-        parts.append([(head + text).encode("utf-8")])
-    out = [b"{\n"]
-    for i, chunks in enumerate(parts):
-        if i:
-            out.append(b",\n")
-        out.extend(chunks)
-    out.append(b"\n}\n")
-    return b"".join(out)
+        yield (head + text).encode("utf-8")
+    yield b"\n}\n" if doc else b"{\n\n}\n"
+
+
+def dumps(doc: dict) -> bytes:
+    """:func:`dump_chunks`, joined."""
+    return b"".join(dump_chunks(doc))
 
 
 def manifest(records: Iterable[FileRecord]) -> bytes:

@@ -488,3 +488,19 @@ def test_relative_sources_get_the_portability_note_and_hub_sources_do_not(source
     doc = {**recipe_doc(base, donor, at=tmp_path), "base": pinned, "donors": {"q3": pinned}}
     hub = parse_recipe(yaml.safe_dump(doc).encode(), tmp_path / "r.yaml")
     assert hub.folder_sources() == {}
+
+
+def test_a_json_file_changed_after_it_was_read_is_not_spliced(demo_base, copy_of) -> None:  # type: ignore[no-untyped-def]
+    """The layout splices the index and quantization_config.json from the texts the census checked:
+    read again, they must be those bytes, or nothing is written from them."""
+    from mosaic.checkpoint.folder import QCONFIG_NAME, open_checkpoint
+    from mosaic.errors import CheckpointError
+
+    folder = copy_of(demo_base)
+    ck = open_checkpoint(folder)
+    assert ck.read_again(QCONFIG_NAME) == (folder / QCONFIG_NAME).read_bytes()
+    (folder / QCONFIG_NAME).write_bytes((folder / QCONFIG_NAME).read_bytes() + b" ")
+    with pytest.raises(CheckpointError, match="changed since it was read"):
+        ck.read_again(QCONFIG_NAME)
+    with pytest.raises(CheckpointError, match="changed since it was read"):
+        ck.read_again(ck.shards[0])  # never parsed: nothing recorded to prove it by

@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "recipe": set(),
     "hub": {"formats", "recipe", "records"},
     "sources": {"recipe", "hub"},
-    "card": {"checkpoint", "recipe"},
+    "card": {"checkpoint", "recipe", "records"},
     "gguf_sources": {"checkpoint", "recipe", "hub"},
     "gguf_select": {"checkpoint", "recipe"},
     "gguf_card": {"recipe"},

@@ -37,7 +37,10 @@ def test_qconfig_spliced_keeps_untouched_bytes() -> None:
     replaced = {"model.layers.2.mlp.down_proj": "d", "model.layers.4.mlp.down_proj": "d"}
     rate = Fraction(9, 4)
     expected = metadata.expected_qconfig(base, {"d": donor}, replaced, rate)
-    out = metadata.new_qconfig(btext, base, {"d": dtext}, expected, replaced)
+    spliced = metadata.new_qconfig(btext, base, {"d": dtext}, expected, replaced)
+    assert isinstance(spliced, metadata.SplicedText)  # held as the base's text and its cuts
+    out = bytes(spliced)
+    assert len(spliced) == len(out)
     assert json.loads(out) == expected
     assert json.loads(out)["bits"] == 2.25
     assert out == json.dumps(expected, indent=4).encode()  # same layout as exllamav3 writes
@@ -51,15 +54,60 @@ def test_qconfig_in_another_layout_is_written_anew() -> None:
     replaced = {"model.layers.1.mlp.down_proj": "d"}
     expected = metadata.expected_qconfig(base, {"d": donor}, replaced, Fraction(5, 2))
     out = metadata.new_qconfig(btext, base, {"d": json.dumps(donor).encode()}, expected, replaced)
-    assert json.loads(out) == expected
+    assert isinstance(out, bytes) and json.loads(out) == expected
+
+
+def test_qconfig_written_anew_from_the_whole_document_when_only_replaced_entries_are_kept() -> None:
+    """The layout keeps only the entries a donor replaces; a text it cannot splice is written anew
+    from the whole document, never from the kept part alone."""
+    base, donor = _qconfig(2.0, 4), _qconfig(3.0, 4, donor=True)
+    btext = json.dumps(base, separators=(",", ":")).encode()
+    replaced = {"model.layers.1.mlp.down_proj": "d"}
+    kept = json.loads(json.dumps(base))
+    metadata.keep_storage(kept, {"model.layers.1.mlp.down_proj"})
+    assert set(kept["tensor_storage"]) == {"model.layers.1.mlp.down_proj"}
+    expected = metadata.expected_qconfig(kept, {"d": donor}, replaced, Fraction(5, 2))
+    whole = metadata.expected_qconfig(base, {"d": donor}, replaced, Fraction(5, 2))
+    out = metadata.new_qconfig(btext, kept, {"d": json.dumps(donor).encode()}, expected, replaced, lambda: whole)
+    assert json.loads(out) == whole and len(json.loads(out)["tensor_storage"]) == 5
+
+
+def test_keep_storage_keeps_every_entry_holding_a_tensor_of_the_modules() -> None:
+    q = {"bits": 2, "tensor_storage": {
+        "a.x": {"stored_tensors": {"a.x.trellis": {}}},
+        "b.y": {"stored_tensors": {"a.x.suh": {}}},  # another module's tensor, stored under this key
+        "c.z": {"stored_tensors": {"c.z.trellis": {}}},
+        "d.w": "not an entry",
+    }}
+    metadata.keep_storage(q, {"a.x"})
+    assert list(q["tensor_storage"]) == ["a.x", "b.y", "d.w"] and q["bits"] == 2
 
 
 def test_index_total_size_patched_in_place() -> None:
     idx = {"metadata": {"total_size": 123}, "weight_map": {"a": "x.safetensors", "b": "y.safetensors"}}
     text = json.dumps(idx, indent=2).encode()  # any layout: only the number changes
-    out = metadata.new_index(text, idx, 98765)
+    out = metadata.new_index(text, {"metadata": idx["metadata"]}, 98765)
     assert out == text.replace(b"123", b"98765")
     assert json.loads(out)["metadata"]["total_size"] == 98765
+
+
+def test_index_patched_only_where_the_text_proves_the_member() -> None:
+    """The number is patched in place only when the one match can be nothing but the member; any
+    doubt (an escape, a second match, a number that is not the parsed one) writes the index anew,
+    and every way the result is the base's index with only total_size changed."""
+    wm = {"a": "x.safetensors"}
+    cases = [
+        {"metadata": {"total_size": 7, "nested": {"total_size": 7}}, "weight_map": wm},  # two matches
+        {"metadata": {"total_size": 7, "note": "quote \" here"}, "weight_map": wm},  # an escape
+        {"metadata": {"total_size": 7.0}, "weight_map": wm},  # not an integer
+        {"metadata": {"nested": {"total_size": 7}}, "weight_map": wm},  # no member at all
+        {"weight_map": wm},
+    ]
+    for idx in cases:
+        text = json.dumps(idx, indent=2).encode()
+        out = metadata.new_index(text, {k: v for k, v in idx.items() if k != "weight_map"}, 98765)
+        want = {**idx, "metadata": {**idx.get("metadata", {}), "total_size": 98765}}
+        assert json.loads(out) == want, idx
 
 
 def test_config_only_bits_change() -> None:

@@ -21,6 +21,7 @@ from mosaic.checkpoint.census import Analysis
 from mosaic.checkpoint.exl3 import Module, exact_rate, is_decoder_linear, part_rates
 from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, bulk
 from mosaic.errors import SourceError
+from mosaic.formats.safetensors_reader import strict_json_loadb
 from mosaic.formats.safetensors_writer import OutTensor, ShardLayout, layout_shard
 from mosaic.recipe import Recipe
 from mosaic.records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME
@@ -83,7 +84,7 @@ class BuildPlan:
     selection: Selection
     shards: list[ShardPlan]
     carried: list[CarriedFile]
-    generated: dict[str, bytes]  # name -> exact bytes (index, configs, recipe copy)
+    generated: dict[str, bytes | metadata.SplicedText]  # name -> exact bytes (index, configs, recipe copy)
     rates: Rates
     used_files: dict[str, list[str]] = field(default_factory=dict)  # source id -> logical names read
 
@@ -189,31 +190,44 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
     n_layers = base.num_hidden_layers
     rate = exact_rate(result.values(), n_layers)
     src_rates = {sid: a.nominal_rate for sid, a in sources.items()}
-    plan_tensors = {t.name: (t.dtype, t.shape, t.nbytes) for s in shards for t in s.tensors}
-    tensor_bytes = sum(v[2] for v in plan_tensors.values())
+    plan_tensors = {t.name: t for s in shards for t in s.tensors}
+    tensor_bytes = sum(t.nbytes for t in plan_tensors.values())
     shard_bytes = sum(s.size for s in shards)
 
-    generated: dict[str, bytes] = {RECIPE_NAME: recipe.raw}
+    generated: dict[str, bytes | metadata.SplicedText] = {RECIPE_NAME: recipe.raw}
     if bck.index is not None:
-        generated[INDEX_NAME] = metadata.new_index((bck.root / INDEX_NAME).read_bytes(), bck.index, tensor_bytes)
+        generated[INDEX_NAME] = metadata.new_index(bck.read_again(INDEX_NAME), bck.index, tensor_bytes)
         used["base"].add(INDEX_NAME)
     if bck.config is not None:
         generated[CONFIG_NAME] = metadata.new_config(bck.config, rate)
         used["base"].add(CONFIG_NAME)
     if bck.qconfig is not None:
+        # The base's document may hold only the entries a donor can replace (metadata.keep_storage):
+        # every other entry was checked against the base's headers by its census and is written as
+        # the base's own bytes, for tensors whose planned header entries are the base's.
         storage = bck.qconfig.get("tensor_storage") or {}
         replaced: dict[str, str] = {}
         for key, entry in storage.items():
             for name in (entry or {}).get("stored_tensors") or {}:
                 if name in selection.donor_of:
                     replaced[key] = selection.donor_of[name]
-        expected = metadata.expected_qconfig(bck.qconfig, {sid: a.ckpt.qconfig for sid, a in sources.items()}, replaced, rate)
+        donor_q = {sid: a.ckpt.qconfig for sid, a in sources.items()}
+        expected = metadata.expected_qconfig(bck.qconfig, donor_q, replaced, rate)
         bad = metadata.storage_mismatches(expected, plan_tensors)
         if bad:
             raise SourceError(f"quantization_config.json would disagree with the output headers: {bad[0]}")
+        del plan_tensors
         donors_used = set(replaced.values())
-        texts = {sid: (a.ckpt.root / QCONFIG_NAME).read_bytes() for sid, a in sources.items() if sid in donors_used}
-        generated[QCONFIG_NAME] = metadata.new_qconfig((bck.root / QCONFIG_NAME).read_bytes(), bck.qconfig, texts, expected, replaced)
+        texts = {sid: a.ckpt.read_again(QCONFIG_NAME) for sid, a in sources.items() if sid in donors_used}
+        base_text = bck.read_again(QCONFIG_NAME)
+
+        def whole() -> dict:
+            full = strict_json_loadb(base_text)
+            assert isinstance(full, dict)
+            return metadata.expected_qconfig(full, donor_q, replaced, rate)
+
+        generated[QCONFIG_NAME] = metadata.new_qconfig(base_text, bck.qconfig, texts, expected, replaced, whole)
+        del texts, base_text  # the spliced text keeps the base's; the donors' are let go
         used["base"].add(QCONFIG_NAME)
         for did in set(replaced.values()):
             used[did].add(QCONFIG_NAME)

@@ -10,6 +10,7 @@ record is both fast to write and readable in a diff.
 
 from __future__ import annotations
 
+import hashlib
 from fractions import Fraction
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from mosaic.records import (
     RECIPE_NAME,
     SCHEMA_ID,
     FileRecord,
-    dumps,
+    TensorColumns,
+    dump_chunks,
     validation_errors,
 )
 
@@ -75,21 +77,20 @@ def build_provenance(plan: BuildPlan, res: SpliceResult, unverified: dict[str, s
         sources[sid] = {**spec.as_record(), "rate": _rate(a.nominal_rate), "files": files}
         if sid == "base" and (lineage := card_base_model(a.ckpt.root)):
             sources[sid]["base_model"] = lineage
-    tensors = [
-        {
-            "name": t.name,
-            "file": s.name,
-            "dtype": t.dtype,
-            "shape": list(t.shape),
-            "nbytes": t.nbytes,
-            "sha256": res.tensors[t.name],
-            "source": t.source,
-        }
-        for s in plan.shards
-        for t in s.tensors
-    ]
+    planned = [t for s in plan.shards for t in s.tensors]
+    digest = res.tensors
+    tensors = TensorColumns(
+        name=[t.name for t in planned],
+        file=[s.name for s in plan.shards for _ in s.tensors],
+        dtype=[t.dtype for t in planned],
+        shape=[t.shape for t in planned],
+        nbytes=[t.nbytes for t in planned],
+        sha256=[digest[t.name] for t in planned],
+        source=[t.source for t in planned],
+    )
+    del planned
     selection = []
-    nbytes = {t["name"]: t["nbytes"] for t in tensors}
+    nbytes = dict(zip(tensors.name, tensors.nbytes))
     for rule in recipe.rules:
         names = [n for n, i in plan.selection.rule_of.items() if i == rule.index]
         selection.append(
@@ -135,11 +136,19 @@ def _file(r: FileRecord) -> dict[str, object]:
 
 
 @bulk()
-def checked_dumps(doc: dict) -> bytes:
-    """Serialize after validating against the schema; a violation is a failed build verification."""
+def write_checked(doc: dict, path: Path) -> FileRecord:
+    """Write after validating against the schema (a violation is a failed build verification),
+    streamed and hashed as written; the record of the file written."""
     errors = validation_errors(doc)
     if errors:
         raise VerificationError(f"{PROVENANCE_NAME} does not match PROVENANCE.schema.json: {errors[0]}")
-    return dumps(doc)
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "xb") as fo:
+        for chunk in dump_chunks(doc):
+            fo.write(chunk)
+            h.update(chunk)
+            size += len(chunk)
+    return FileRecord(path.name, size, h.hexdigest())
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from mosaic.build.gguf_plan import GGUFPlan, plan_gguf
 from mosaic.build.gguf_write import GGUFWriteResult, write_gguf
 from mosaic.build.layout import BuildPlan, make_plan
-from mosaic.build.provenance import build_provenance, checked_dumps
+from mosaic.build.metadata import keep_storage
+from mosaic.build.provenance import build_provenance, write_checked
 from mosaic.build.selection import donor_modules, pick, select
 from mosaic.build.splice import SpliceResult, splice
 from mosaic.build.stream import check_markers, read_plan_ranges
@@ -102,6 +103,7 @@ def plan_build(recipe: Recipe, *, streamed: dict[str, PartialSnapshot] | None = 
     base = _census("base", recipe.base, folders["base"], headers_only="base" in remote)
     picks = pick(recipe, base)
     needs = donor_modules(recipe, picks)
+    keep_storage(base.ckpt.qconfig, set().union(*needs.values()))
     donors = {did: _census(did, spec, folders[did], needs[did], headers_only=did in remote) for did, spec in recipe.donors.items()}
     selection = select(recipe, base, donors, picks)
     return make_plan(recipe, {"base": base, **donors}, selection)
@@ -187,10 +189,9 @@ def _finish(plan: BuildPlan, res: SpliceResult, tmp: Path, unverified: dict[str,
     fault_point("card")
     res.files[CARD_NAME] = FileRecord(CARD_NAME, len(card), sha256_bytes(card))
     doc["files"] = [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in sorted(res.files.values(), key=lambda r: r.name)]
-    data = checked_dumps(doc)
-    (tmp / PROVENANCE_NAME).write_bytes(data)
+    prov = write_checked(doc, tmp / PROVENANCE_NAME)
     fault_point("provenance")
-    records = [*res.files.values(), FileRecord(PROVENANCE_NAME, len(data), sha256_bytes(data))]
+    records = [*res.files.values(), prov]
     (tmp / MANIFEST_NAME).write_bytes(manifest(records))
     fault_point("manifest")
     return doc

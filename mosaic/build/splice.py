@@ -24,6 +24,7 @@ from pathlib import Path
 
 from mosaic.build import digest_cache
 from mosaic.build.layout import BuildPlan, ShardPlan
+from mosaic.build.metadata import SplicedText
 from mosaic.errors import VerificationError
 from mosaic.faults import point as fault_point
 from mosaic.formats.safetensors_writer import CHUNK_SIZE, copy_range, write_shard
@@ -260,7 +261,8 @@ def splice(
     for name, data in plan.generated.items():
         dst = out_dir / name
         with open(dst, "xb") as fo:
-            fo.write(data)
+            for chunk in data.chunks() if isinstance(data, SplicedText) else (data,):
+                fo.write(chunk)
             os.fsync(fo.fileno())
         adv_write(len(data))
         fault_point("metadata")

@@ -13,6 +13,7 @@ header) are collected as ``problems``; anything that makes the folder unreadable
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import re
@@ -76,10 +77,20 @@ def check_relative_name(name: object, what: str, where: str) -> str:
 
 def load_json(path: Path, what: str) -> object:
     """Read a JSON file strictly: UTF-8, no duplicate keys, no NaN; errors name the file."""
+    return _load_json_digest(path, what)[0]
+
+
+def _load_json_digest(path: Path, what: str) -> tuple[object, str]:
+    """:func:`load_json`, and the SHA-256 of the exact bytes parsed (so that a later reader of the
+    text can prove it reads what was checked)."""
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise FormatError(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    return _parse_json(raw, path, what), hashlib.sha256(raw).hexdigest()
+
+
+def _parse_json(raw: bytes, path: Path, what: str) -> object:
     try:
         return strict_json_loadb(raw)
     except DuplicateKey as e:
@@ -117,6 +128,21 @@ class Checkpoint:
     #: Only the headers and small files are present (a hub commit read by ranges): tensor bytes,
     #: codebook markers included, are not there to be read.
     headers_only: bool = False
+    #: SHA-256 of the JSON files exactly as they were parsed (index, configs), by name
+    digests: dict[str, str] = field(default_factory=dict)
+
+    def read_again(self, name: str) -> bytes:
+        """The bytes of a JSON file parsed at opening, read again for a writer that splices its text,
+        refused unless they are exactly the bytes that were parsed and checked then."""
+        path = self.root / name
+        want = self.digests.get(name)
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read it again: {e.strerror or e}") from None
+        if want is None or hashlib.sha256(raw).hexdigest() != want:
+            raise CheckpointError(f"{path}: changed since it was read (or was not read); nothing was written from it")
+        return raw
 
     @property
     def other_files(self) -> list[str]:
@@ -237,10 +263,14 @@ def parse_span(text: bytes, span: tuple[int, int]) -> tuple[str, object] | None:
     return next(iter(obj.items())) if isinstance(obj, dict) and len(obj) == 1 else None
 
 
-def _partial_qconfig(path: Path, keys: set[str]) -> dict:
+def _partial_qconfig(path: Path, keys: set[str]) -> tuple[dict, str]:
     """The tensor_storage entries of ``keys`` only, without parsing the whole 48 MB file when its
-    layout allows; otherwise the whole file, strictly."""
-    text = path.read_bytes()
+    layout allows; otherwise the whole file, strictly. With the SHA-256 of the text read."""
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read quantization config: {e.strerror or e}") from None
+    digest = hashlib.sha256(text).hexdigest()
     spans = entry_spans(text)
     storage: dict[str, object] = {}
     for k in keys:
@@ -250,12 +280,12 @@ def _partial_qconfig(path: Path, keys: set[str]) -> dict:
                 break
             storage[k] = kv[1]
     else:
-        return {"tensor_storage": storage}
-    q = load_json(path, "quantization config")
+        return {"tensor_storage": storage}, digest
+    q = _parse_json(text, path, "quantization config")
     if not isinstance(q, dict):
         raise CheckpointError(f"{path}: not a JSON object")
     full = q.get("tensor_storage")
-    return {"tensor_storage": {k: v for k, v in full.items() if k in keys} if isinstance(full, dict) else {}}
+    return {"tensor_storage": {k: v for k, v in full.items() if k in keys} if isinstance(full, dict) else {}}, digest
 
 
 @bulk()
@@ -281,8 +311,12 @@ def open_checkpoint(
     problems: list[str] = []
     known_index, index = index, None
     weight_map: dict[str, str] | None = None
+    digests: dict[str, str] = {}
     if INDEX_NAME in files:
-        index = known_index if known_index is not None else load_json(rootp / INDEX_NAME, "index")
+        if known_index is not None:
+            index = known_index
+        else:
+            index, digests[INDEX_NAME] = _load_json_digest(rootp / INDEX_NAME, "index")
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise CheckpointError(f"{rootp / INDEX_NAME}: no 'weight_map' object")
         weight_map = index["weight_map"]
@@ -332,22 +366,25 @@ def open_checkpoint(
         actual = sum(h.data_size for h in headers.values())
         if total is not None and total != actual and not partial:
             problems.append(f"index: metadata.total_size is {total} but the shards hold {actual} tensor bytes")
+        # The weight map (a name and a string per tensor: ~30 MB as objects at GLM-5.3's size) has
+        # been checked against the headers; no reader needs it again.
+        index = {k: v for k, v in index.items() if k != "weight_map"}
 
     config = qconfig = None
     if CONFIG_NAME in files:
-        c = load_json(rootp / CONFIG_NAME, "config")
+        c, digests[CONFIG_NAME] = _load_json_digest(rootp / CONFIG_NAME, "config")
         if not isinstance(c, dict):
             raise CheckpointError(f"{rootp / CONFIG_NAME}: not a JSON object")
         config = c
     if QCONFIG_NAME in files and partial:
         assert modules is not None
-        qconfig = _partial_qconfig(rootp / QCONFIG_NAME, modules)
+        qconfig, digests[QCONFIG_NAME] = _partial_qconfig(rootp / QCONFIG_NAME, modules)
     elif QCONFIG_NAME in files:
-        q = load_json(rootp / QCONFIG_NAME, "quantization config")
+        q, digests[QCONFIG_NAME] = _load_json_digest(rootp / QCONFIG_NAME, "quantization config")
         if not isinstance(q, dict):
             raise CheckpointError(f"{rootp / QCONFIG_NAME}: not a JSON object")
         qconfig = q
-    return Checkpoint(rootp, shards, headers, tensor_file, index, config, qconfig, files, problems, partial, headers_only)
+    return Checkpoint(rootp, shards, headers, tensor_file, index, config, qconfig, files, problems, partial, headers_only, digests)
 
 
 def read_small_tensors(ckpt: Checkpoint, names: list[str]) -> dict[str, bytes]:

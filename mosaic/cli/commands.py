@@ -20,6 +20,7 @@ from mosaic import __version__
 from mosaic.cli.render import stdout_console
 from mosaic.errors import MosaicError
 from mosaic.literal import printable
+from mosaic.records import column
 
 
 def _fail(message: str, code: int) -> None:
@@ -58,6 +59,9 @@ def _console() -> Console:
 @click.version_option(__version__, prog_name="mosaic")
 def main() -> None:
     """Build mixed-precision mosaic checkpoints of quantized LLMs, byte for byte, and prove how."""
+    from mosaic.hashing import return_freed_buffers
+
+    return_freed_buffers()
 
 
 def _census_folder(directory: Path) -> tuple[Path, Any]:
@@ -141,7 +145,7 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
         "rate": doc["rate"],
         "files": len(doc["files"]) + 2,
         "tensors": len(doc["tensors"]),
-        "from_donors": sum(1 for t in doc["tensors"] if t["source"] != "base"),
+        "from_donors": sum(1 for s in column(doc["tensors"], "source") if s != "base"),
         "shards": {name: method for name, method in res.splice.methods.items()},
         "checks": doc["checks"],
         "notes": res.notes,
