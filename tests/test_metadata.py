@@ -6,7 +6,7 @@ import json
 from fractions import Fraction
 
 from mosaic.build import metadata
-from mosaic.checkpoint.folder import entry_spans, parse_span
+from mosaic.checkpoint.qconfig import entry_spans, parse_span
 
 
 def _qconfig(bits: float, n: int, donor: bool = False) -> dict:
@@ -31,13 +31,24 @@ def test_entry_spans_find_every_member_exactly() -> None:
         assert parse_span(text, spans[key]) == (key, entry)
 
 
+def _splice(btext: bytes, base: dict, dtext: bytes, replaced: dict, rate: Fraction, spans: bool = True):  # type: ignore[no-untyped-def]
+    donor = json.loads(dtext)
+    cut = metadata.cut_members(dtext, replaced)
+    for key, (member, entry) in (cut or {}).items():
+        assert entry == donor["tensor_storage"][key] and member.lstrip().startswith(json.dumps(key).encode())
+    expected = metadata.expected_qconfig(base, {"d": donor}, replaced, rate)
+    out = metadata.new_qconfig(
+        btext, entry_spans(btext) if spans else None, {k: m for k, (m, _) in cut.items()} if cut else None,
+        (base["bits"], expected["bits"]), lambda: expected,
+    )
+    return out, expected
+
+
 def test_qconfig_spliced_keeps_untouched_bytes() -> None:
     base, donor = _qconfig(2.0, 6), _qconfig(3.0, 6, donor=True)
     btext, dtext = json.dumps(base, indent=4).encode(), json.dumps(donor, indent=4).encode()
     replaced = {"model.layers.2.mlp.down_proj": "d", "model.layers.4.mlp.down_proj": "d"}
-    rate = Fraction(9, 4)
-    expected = metadata.expected_qconfig(base, {"d": donor}, replaced, rate)
-    spliced = metadata.new_qconfig(btext, base, {"d": dtext}, expected, replaced)
+    spliced, expected = _splice(btext, base, dtext, replaced, Fraction(9, 4))
     assert isinstance(spliced, metadata.SplicedText)  # held as the base's text and its cuts
     out = bytes(spliced)
     assert len(spliced) == len(out)
@@ -49,45 +60,32 @@ def test_qconfig_spliced_keeps_untouched_bytes() -> None:
 
 
 def test_qconfig_in_another_layout_is_written_anew() -> None:
+    """A base text whose spans were not proved, or a donor text with nothing to cut: the whole
+    document is written anew (from the whole base document, never from the entries held)."""
     base, donor = _qconfig(2.0, 3), _qconfig(3.0, 3, donor=True)
-    btext = json.dumps(base, separators=(",", ":")).encode()  # not indent=4: no spans to cut
     replaced = {"model.layers.1.mlp.down_proj": "d"}
-    expected = metadata.expected_qconfig(base, {"d": donor}, replaced, Fraction(5, 2))
-    out = metadata.new_qconfig(btext, base, {"d": json.dumps(donor).encode()}, expected, replaced)
+    minified = json.dumps(base, separators=(",", ":")).encode()  # not indent=4: no spans to cut
+    out, expected = _splice(minified, base, json.dumps(donor, indent=4).encode(), replaced, Fraction(5, 2), spans=False)
+    assert isinstance(out, bytes) and json.loads(out) == expected and len(expected["tensor_storage"]) == 4
+    out, expected = _splice(json.dumps(base, indent=4).encode(), base, json.dumps(donor).encode(), replaced, Fraction(5, 2))
     assert isinstance(out, bytes) and json.loads(out) == expected
+    assert metadata.cut_members(json.dumps(donor).encode(), replaced) is None
 
 
-def test_qconfig_written_anew_from_the_whole_document_when_only_replaced_entries_are_kept() -> None:
-    """The layout keeps only the entries a donor replaces; a text it cannot splice is written anew
-    from the whole document, never from the kept part alone."""
-    base, donor = _qconfig(2.0, 4), _qconfig(3.0, 4, donor=True)
-    btext = json.dumps(base, separators=(",", ":")).encode()
-    replaced = {"model.layers.1.mlp.down_proj": "d"}
-    kept = json.loads(json.dumps(base))
-    metadata.keep_storage(kept, {"model.layers.1.mlp.down_proj"})
-    assert set(kept["tensor_storage"]) == {"model.layers.1.mlp.down_proj"}
-    expected = metadata.expected_qconfig(kept, {"d": donor}, replaced, Fraction(5, 2))
-    whole = metadata.expected_qconfig(base, {"d": donor}, replaced, Fraction(5, 2))
-    out = metadata.new_qconfig(btext, kept, {"d": json.dumps(donor).encode()}, expected, replaced, lambda: whole)
-    assert json.loads(out) == whole and len(json.loads(out)["tensor_storage"]) == 5
-
-
-def test_keep_storage_keeps_every_entry_holding_a_tensor_of_the_modules() -> None:
-    q = {"bits": 2, "tensor_storage": {
-        "a.x": {"stored_tensors": {"a.x.trellis": {}}},
-        "b.y": {"stored_tensors": {"a.x.suh": {}}},  # another module's tensor, stored under this key
-        "c.z": {"stored_tensors": {"c.z.trellis": {}}},
-        "d.w": "not an entry",
-    }}
-    metadata.keep_storage(q, {"a.x"})
-    assert list(q["tensor_storage"]) == ["a.x", "b.y", "d.w"] and q["bits"] == 2
+def test_a_bits_line_that_is_not_the_top_level_member_is_not_patched() -> None:
+    base = _qconfig(2.0, 2)
+    text = json.dumps(base, indent=4).encode().replace(b'    "bits": 2.0', b'    "bits": 7', 1)
+    out = metadata.new_qconfig(text, entry_spans(text), {}, (2.0, 2.5), lambda: {"anew": True})
+    assert out == metadata.dumps({"anew": True})
 
 
 def test_index_total_size_patched_in_place() -> None:
     idx = {"metadata": {"total_size": 123}, "weight_map": {"a": "x.safetensors", "b": "y.safetensors"}}
     text = json.dumps(idx, indent=2).encode()  # any layout: only the number changes
-    out = metadata.new_index(text, {"metadata": idx["metadata"]}, 98765)
-    assert out == text.replace(b"123", b"98765")
+    spliced = metadata.new_index(text, {"metadata": idx["metadata"]}, 98765)
+    assert isinstance(spliced, metadata.SplicedText)
+    out = bytes(spliced)
+    assert out == text.replace(b"123", b"98765") and len(spliced) == len(out)
     assert json.loads(out)["metadata"]["total_size"] == 98765
 
 
@@ -106,6 +104,7 @@ def test_index_patched_only_where_the_text_proves_the_member() -> None:
     for idx in cases:
         text = json.dumps(idx, indent=2).encode()
         out = metadata.new_index(text, {k: v for k, v in idx.items() if k != "weight_map"}, 98765)
+        assert isinstance(out, bytes)  # written anew
         want = {**idx, "metadata": {**idx.get("metadata", {}), "total_size": 98765}}
         assert json.loads(out) == want, idx
 
@@ -136,3 +135,26 @@ def test_a_repeated_key_inside_an_entry_is_refused_when_read_alone(ckpt_factory,
     assert parse_span(path.read_bytes(), entry_spans(path.read_bytes())[key]) is None
     with pytest.raises(FormatError, match="duplicate key 'bits_per_weight'"):
         open_checkpoint(folder, modules={key})
+
+
+def test_a_spliced_text_read_again_from_its_file_must_be_the_planned_text(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Streamed from the base's file at write time, in pieces smaller than the cuts' gaps, the bytes
+    are the planned ones; a file changed since (a byte, shorter, longer) fails instead of writing."""
+    import pytest
+
+    from mosaic.errors import CheckpointError
+
+    monkeypatch.setattr(metadata, "_READ_CHUNK", 5)
+    idx = {"metadata": {"total_size": 17}, "weight_map": {f"model.layers.{i}.mlp.down_proj.trellis": "x" for i in range(9)}}
+    spliced = metadata.new_index(json.dumps(idx, indent=2).encode(), {"metadata": idx["metadata"]}, 123456)
+    assert isinstance(spliced, metadata.SplicedText)
+    path = tmp_path / "index.json"
+    path.write_bytes(spliced.text)  # type: ignore[arg-type]
+    on_file = spliced.from_file(path)
+    assert on_file.text is None and len(on_file) == len(spliced)
+    assert bytes(on_file) == bytes(spliced) and b'"total_size": 123456' in bytes(on_file)
+    original = path.read_bytes()
+    for changed in (original.replace(b"down_proj", b"down_prox", 1), original[:-1], original + b"\n"):
+        path.write_bytes(changed)
+        with pytest.raises(CheckpointError, match="changed since it was read"):
+            bytes(on_file)

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from mosaic.build import metadata
+from mosaic.build.metadata import cut_members
 from mosaic.build.selection import Selection
 from mosaic.checkpoint.census import Analysis
 from mosaic.checkpoint.exl3 import Module, exact_rate, is_decoder_linear, part_rates
-from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, bulk
+from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, Checkpoint, bulk
+from mosaic.checkpoint.qconfig import entries_of, entry_spans
 from mosaic.errors import SourceError
 from mosaic.formats.safetensors_reader import strict_json_loadb
 from mosaic.formats.safetensors_writer import OutTensor, ShardLayout, layout_shard
@@ -146,6 +148,73 @@ def layer_mass_rate(result: dict[str, Module], selection: Selection, rates: dict
     return total / len(weights)
 
 
+def _from_file(data: bytes | metadata.SplicedText, path: Path) -> bytes | metadata.SplicedText:
+    """A spliced base text, to be read again from the base's file when written (proved the same
+    bytes by digest): the plan holds its cuts, not 64 MB of base text, through the splice."""
+    return data.from_file(path) if isinstance(data, metadata.SplicedText) else data
+
+
+def _qconfig(
+    bck: Checkpoint, sources: dict[str, Analysis], selection: Selection, plan_tensors: dict[str, PlannedTensor], rate: Fraction | None
+) -> tuple[bytes | metadata.SplicedText, set[str]]:
+    """The mosaic's quantization_config.json (and the donors it takes entries from): the base's text
+    with the entries that hold a donor's tensors spliced in from that donor's text, checked against
+    the planned headers.
+
+    Only those entries are parsed, from texts proved (by digest) to be the ones the censuses read,
+    one text at a time; every other entry was checked against the base's headers by its census and
+    is written as the base's own bytes, for tensors whose planned header entries are the base's."""
+    replaced: dict[str, str] = {}
+    donor_of = selection.donor_of
+    for e in bck.storage or ():
+        for name in e.names or ():
+            if name in donor_of:
+                replaced[e.key] = donor_of[name]
+    donors_used = sorted(set(replaced.values()))
+    entries: dict[str, object] = {}
+    members: dict[str, bytes] | None = {}
+    for did in donors_used:
+        ck = sources[did].ckpt
+        keys = [k for k, d in replaced.items() if d == did]
+        if ck.qconfig is not None:
+            text = ck.read_again(QCONFIG_NAME)
+            held = ck.qconfig.get("tensor_storage")
+            # a donor opened for some modules holds their entries (cut by proved spans or parsed
+            # whole): the cuts must be those; a donor opened whole has its spans proved or not
+            cut = cut_members(text, keys) if isinstance(held, dict) or ck.storage_by_spans else None
+            if cut is not None and (not isinstance(held, dict) or all(held.get(k) == cut[k][1] for k in keys)):
+                for k in keys:
+                    entries[k] = cut[k][1]
+                    if members is not None:
+                        members[k] = cut[k][0]
+            else:
+                members = None
+                found = {k: held[k] for k in keys if k in held} if isinstance(held, dict) else entries_of(text, keys, None, ck.root / QCONFIG_NAME)
+                entries.update(found)
+            del text, cut
+        for k in keys:
+            if k not in entries:
+                raise SourceError(
+                    f"donor {did!r}: quantization_config.json has no tensor_storage entry for {k}, "
+                    "so the mosaic's entry cannot be taken from it"
+                )
+    bad = metadata.storage_mismatches({"tensor_storage": entries}, plan_tensors)
+    if bad:
+        raise SourceError(f"quantization_config.json would disagree with the output headers: {bad[0]}")
+    top = bck.qconfig or {}
+    new_bits = metadata.exl3_bits(rate) if rate is not None and "bits" in top else None
+    base_text = bck.read_again(QCONFIG_NAME)
+
+    def whole() -> dict:
+        full = strict_json_loadb(base_text)
+        assert isinstance(full, dict)
+        return metadata.expected_qconfig(full, {did: {"tensor_storage": entries} for did in donors_used}, replaced, rate)
+
+    spans = entry_spans(base_text) if bck.storage_by_spans else None
+    bits = (top["bits"], new_bits) if new_bits is not None else None
+    return metadata.new_qconfig(base_text, spans, members, bits, whole), set(donors_used)
+
+
 @bulk()
 def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection) -> BuildPlan:
     """Lay out every output file of the mosaic. Raises if the derived metadata would disagree."""
@@ -196,41 +265,18 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
 
     generated: dict[str, bytes | metadata.SplicedText] = {RECIPE_NAME: recipe.raw}
     if bck.index is not None:
-        generated[INDEX_NAME] = metadata.new_index(bck.read_again(INDEX_NAME), bck.index, tensor_bytes)
+        generated[INDEX_NAME] = _from_file(metadata.new_index(bck.read_again(INDEX_NAME), bck.index, tensor_bytes), bck.root / INDEX_NAME)
         used["base"].add(INDEX_NAME)
     if bck.config is not None:
         generated[CONFIG_NAME] = metadata.new_config(bck.config, rate)
         used["base"].add(CONFIG_NAME)
     if bck.qconfig is not None:
-        # The base's document may hold only the entries a donor can replace (metadata.keep_storage):
-        # every other entry was checked against the base's headers by its census and is written as
-        # the base's own bytes, for tensors whose planned header entries are the base's.
-        storage = bck.qconfig.get("tensor_storage") or {}
-        replaced: dict[str, str] = {}
-        for key, entry in storage.items():
-            for name in (entry or {}).get("stored_tensors") or {}:
-                if name in selection.donor_of:
-                    replaced[key] = selection.donor_of[name]
-        donor_q = {sid: a.ckpt.qconfig for sid, a in sources.items()}
-        expected = metadata.expected_qconfig(bck.qconfig, donor_q, replaced, rate)
-        bad = metadata.storage_mismatches(expected, plan_tensors)
-        if bad:
-            raise SourceError(f"quantization_config.json would disagree with the output headers: {bad[0]}")
-        del plan_tensors
-        donors_used = set(replaced.values())
-        texts = {sid: a.ckpt.read_again(QCONFIG_NAME) for sid, a in sources.items() if sid in donors_used}
-        base_text = bck.read_again(QCONFIG_NAME)
-
-        def whole() -> dict:
-            full = strict_json_loadb(base_text)
-            assert isinstance(full, dict)
-            return metadata.expected_qconfig(full, donor_q, replaced, rate)
-
-        generated[QCONFIG_NAME] = metadata.new_qconfig(base_text, bck.qconfig, texts, expected, replaced, whole)
-        del texts, base_text  # the spliced text keeps the base's; the donors' are let go
+        qconfig, donors_used = _qconfig(bck, sources, selection, plan_tensors, rate)
+        generated[QCONFIG_NAME] = _from_file(qconfig, bck.root / QCONFIG_NAME)
         used["base"].add(QCONFIG_NAME)
-        for did in set(replaced.values()):
+        for did in donors_used:
             used[did].add(QCONFIG_NAME)
+    del plan_tensors
 
     carried = carried_files(base, recipe.exclude)
     used["base"].update(f.name for f in carried)

@@ -8,15 +8,16 @@ writer (``json.dumps(..., indent=4)``) so that untouched fields read exactly as 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 
-from mosaic.checkpoint.census import ST_TO_TORCH
-from mosaic.checkpoint.folder import entry_spans, parse_span
-from mosaic.errors import SourceError
+from mosaic.checkpoint.qconfig import ST_TO_TORCH, entry_spans, parse_span
+from mosaic.errors import CheckpointError, SourceError
 from mosaic.formats.safetensors_reader import strict_json_loadb
 
 
@@ -29,10 +30,83 @@ def exl3_bits(rate: Fraction) -> float:
     return round(float(rate), 2)
 
 
+#: Bytes read at a time when a spliced text is streamed from its source file
+_READ_CHUNK = 4 << 20
+
+
+@dataclass(frozen=True)
+class SplicedText:
+    """A file's bytes as a source text with some byte ranges replaced, held as the replacements and
+    the text, or (:meth:`from_file`) the file the text is read from again when written.
+
+    The mosaic's quantization_config.json (48 MB at GLM-5.3's size) and index (16 MB) differ from the
+    base's in a fraction of their bytes: neither the joined copy nor, once planned, the source text
+    needs to stay in memory through the splice. Read again, the source must be byte for byte the text
+    that was planned (its SHA-256), or writing it fails."""
+
+    cuts: tuple[tuple[int, int, bytes], ...]  # (start, end, replacement), sorted and disjoint
+    text: bytes | None = None
+    source: Path | None = None
+    digest: str = ""
+    source_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.text is not None:
+            object.__setattr__(self, "source_size", len(self.text))
+            object.__setattr__(self, "digest", hashlib.sha256(self.text).hexdigest())
+
+    def from_file(self, path: Path) -> SplicedText:
+        """The same bytes, the source text to be read again from ``path`` when written."""
+        return SplicedText(self.cuts, None, path, self.digest, self.source_size)
+
+    def __len__(self) -> int:
+        return self.source_size + sum(len(r) - (e - a) for a, e, r in self.cuts)
+
+    def chunks(self) -> Iterator[bytes | memoryview]:
+        if self.text is None:
+            yield from self._chunks_from_file()
+            return
+        view = memoryview(self.text)
+        pos = 0
+        for a, e, repl in self.cuts:
+            yield view[pos:a]
+            yield repl
+            pos = e
+        yield view[pos:]
+
+    def _chunks_from_file(self) -> Iterator[bytes | memoryview]:
+        assert self.source is not None
+        h = hashlib.sha256()
+        with open(self.source, "rb") as f:
+
+            def take(n: int) -> Iterator[bytes]:
+                while n > 0:
+                    data = f.read(min(n, _READ_CHUNK))
+                    if not data:
+                        raise CheckpointError(f"{self.source}: changed since it was read (shorter); nothing was written from it")
+                    h.update(data)
+                    n -= len(data)
+                    yield data
+
+            pos = 0
+            for a, e, repl in self.cuts:
+                yield from take(a - pos)
+                for _ in take(e - a):
+                    pass
+                yield repl
+                pos = e
+            yield from take(self.source_size - pos)
+            if f.read(1) or h.hexdigest() != self.digest:
+                raise CheckpointError(f"{self.source}: changed since it was read; nothing was written from it")
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.chunks())
+
+
 _TOTAL_RE = re.compile(rb'"total_size"\s*:\s*(\d+)')
 
 
-def new_index(base_text: bytes, base_meta: Mapping[str, object], total_size: int) -> bytes:
+def new_index(base_text: bytes, base_meta: Mapping[str, object], total_size: int) -> bytes | SplicedText:
     """The base's index with ``metadata.total_size`` set to the output's tensor bytes.
 
     ``base_text`` is the text ``base_meta`` (the index's members but the weight map) was parsed
@@ -49,7 +123,7 @@ def new_index(base_text: bytes, base_meta: Mapping[str, object], total_size: int
         if len(found) == 1 and int(found[0]) == total:
             m = _TOTAL_RE.search(base_text)
             assert m is not None
-            return base_text[: m.start(1)] + str(total_size).encode() + base_text[m.end(1) :]
+            return SplicedText(((m.start(1), m.end(1), str(total_size).encode()),), base_text)
     base_index = strict_json_loadb(base_text)
     assert isinstance(base_index, dict)
     expected = dict(base_index)
@@ -96,90 +170,55 @@ def expected_qconfig(base_q: dict, donor_q: Mapping[str, dict | None], replaced:
     return q
 
 
-@dataclass(frozen=True)
-class SplicedText:
-    """A file's bytes as a source text with some byte ranges replaced, held as the text and the
-    replacements rather than joined: the mosaic's quantization_config.json is 48 MB at GLM-5.3's
-    size and differs from the base's in a fraction of them, so the joined copy is made only by
-    whoever needs it whole (the writer streams the pieces)."""
-
-    text: bytes
-    cuts: tuple[tuple[int, int, bytes], ...]  # (start, end, replacement), sorted and disjoint
-
-    def __len__(self) -> int:
-        return len(self.text) + sum(len(r) - (e - a) for a, e, r in self.cuts)
-
-    def chunks(self) -> Iterator[bytes | memoryview]:
-        view = memoryview(self.text)
-        pos = 0
-        for a, e, repl in self.cuts:
-            yield view[pos:a]
-            yield repl
-            pos = e
-        yield view[pos:]
-
-    def __bytes__(self) -> bytes:
-        return b"".join(self.chunks())
+def cut_members(text: bytes, keys: Iterable[str], spans: Mapping[str, tuple[int, int]] | None = None) -> dict[str, tuple[bytes, object]] | None:
+    """Each key's member text (``"key": {...}``) cut out of an indent=4 quantization_config.json,
+    with the entry it parses to (strictly, alone); None when one cannot be cut exactly."""
+    spans = spans if spans is not None else entry_spans(text)
+    out: dict[str, tuple[bytes, object]] = {}
+    for k in keys:
+        span = spans.get(k)
+        if span is None:
+            return None
+        member = text[span[0] : span[1]]
+        kv = parse_span(member, (0, len(member)))
+        if kv is None or kv[0] != k:
+            return None
+        out[k] = (member, kv[1])
+    return out
 
 
 def new_qconfig(
     base_text: bytes,
-    base_q: dict,
-    donor_texts: Mapping[str, bytes],
-    expected: dict,
-    replaced: Mapping[str, str],
-    whole: Callable[[], dict] | None = None,
+    base_spans: Mapping[str, tuple[int, int]] | None,
+    members: Mapping[str, bytes] | None,
+    bits: tuple[object, object] | None,
+    whole: Callable[[], dict],
 ) -> bytes | SplicedText:
     """The bytes of the mosaic's quantization_config.json.
 
-    Replaced entries are spliced in as the donor's own text and ``bits`` is patched in the base's
-    text, so that everything else stays byte-identical (and 48 MB are not re-serialized). Each cut
-    is checked to parse to exactly the entry it replaces and each insert to the entry expected; if
-    the text does not allow that, the document is written anew from ``expected``, or from
-    ``whole()`` when ``expected`` holds only the replaced entries (the layout keeps no more)."""
-    base_spans = entry_spans(base_text)
-    donor_spans = {did: entry_spans(t) for did, t in donor_texts.items() if did in set(replaced.values())}
-    storage = expected.get("tensor_storage") or {}
-    base_storage = base_q.get("tensor_storage") or {}
+    Replaced entries are spliced in as the donor's own text (``members``: key → the member text
+    that takes the place of the base's entry of that key, already checked) and ``bits`` (the base's
+    value, the mosaic's) is patched in the base's text, so that everything else stays byte-identical
+    and 48 MB are neither parsed nor re-serialized. ``base_spans`` are the base text's entry spans,
+    proved to be its tensor_storage members when its census read it (None: not proved). When the
+    text does not allow the splice, the document ``whole()`` is written anew."""
+    if base_spans is None or members is None:
+        return dumps(whole())
     pieces: list[tuple[int, int, bytes]] = []
-    ok = True
-    for key, did in replaced.items():
+    for key, member in members.items():
         b = base_spans.get(key)
-        d = donor_spans.get(did, {}).get(key)
-        # each cut must be exactly the entry it names, on both sides
-        if b is None or d is None or parse_span(base_text, b) != (key, base_storage.get(key)) or parse_span(donor_texts[did], d) != (key, storage.get(key)):
-            ok = False
-            break
-        pieces.append((b[0], b[1], donor_texts[did][d[0] : d[1]]))
-    m = _BITS_RE.search(base_text) if "bits" in expected else None
-    if m is not None and parse_span(base_text, (m.start(), m.end())) != ("bits", base_q.get("bits")):
-        m = None  # not the top-level member it looked like
-    if ok and ("bits" not in expected or m is not None):
-        if m is not None:
-            pieces.append((m.start(), m.end(), b'    "bits": ' + json.dumps(expected["bits"]).encode()))
-        pieces.sort()
-        if all(pieces[i][1] <= pieces[i + 1][0] for i in range(len(pieces) - 1)):
-            return SplicedText(base_text, tuple(pieces))
-    return dumps(whole() if whole is not None else expected)
-
-
-def keep_storage(q: dict | None, modules: set[str]) -> None:
-    """Drop, in place, every tensor_storage entry that holds no tensor of ``modules``.
-
-    The base's quantization_config.json is the largest document a build parses (48 MB, ~80 MB as
-    objects at GLM-5.3-Flash's size). Its census has checked every entry against the base's headers;
-    the layout only replaces the entries that hold a tensor of a module a donor supplies, and keeps
-    every other entry as the base's own bytes, whose tensors keep the base's header entries. Those
-    entries need not stay in memory until then."""
-    storage = q.get("tensor_storage") if isinstance(q, dict) else None
-    if not isinstance(storage, dict):
-        return
-    keep = {}
-    for key, entry in storage.items():
-        stored = entry.get("stored_tensors") if isinstance(entry, dict) else None
-        if key in modules or not isinstance(stored, dict) or any(n.rpartition(".")[0] in modules for n in stored):
-            keep[key] = entry
-    q["tensor_storage"] = keep  # type: ignore[index]
+        if b is None:
+            return dumps(whole())
+        pieces.append((b[0], b[1], member))
+    if bits is not None:
+        m = _BITS_RE.search(base_text)
+        if m is None or parse_span(base_text, (m.start(), m.end())) != ("bits", bits[0]):
+            return dumps(whole())  # not the top-level member it looked like
+        pieces.append((m.start(), m.end(), b'    "bits": ' + json.dumps(bits[1]).encode()))
+    pieces.sort()
+    if all(pieces[i][1] <= pieces[i + 1][0] for i in range(len(pieces) - 1)):
+        return SplicedText(tuple(pieces), base_text)
+    return dumps(whole())
 
 
 def storage_mismatches(q: dict, tensors: Mapping[str, object]) -> list[str]:

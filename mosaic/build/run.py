@@ -22,7 +22,6 @@ from pathlib import Path
 from mosaic.build.gguf_plan import GGUFPlan, plan_gguf
 from mosaic.build.gguf_write import GGUFWriteResult, write_gguf
 from mosaic.build.layout import BuildPlan, make_plan
-from mosaic.build.metadata import keep_storage
 from mosaic.build.provenance import build_provenance, write_checked
 from mosaic.build.selection import donor_modules, pick, select
 from mosaic.build.splice import SpliceResult, splice
@@ -103,7 +102,6 @@ def plan_build(recipe: Recipe, *, streamed: dict[str, PartialSnapshot] | None = 
     base = _census("base", recipe.base, folders["base"], headers_only="base" in remote)
     picks = pick(recipe, base)
     needs = donor_modules(recipe, picks)
-    keep_storage(base.ckpt.qconfig, set().union(*needs.values()))
     donors = {did: _census(did, spec, folders[did], needs[did], headers_only=did in remote) for did, spec in recipe.donors.items()}
     selection = select(recipe, base, donors, picks)
     return make_plan(recipe, {"base": base, **donors}, selection)

@@ -27,6 +27,7 @@ from mosaic.checkpoint.exl3 import (
     part_rates,
 )
 from mosaic.checkpoint.folder import Checkpoint, bulk, read_small_tensors, text_config
+from mosaic.checkpoint.qconfig import WHERE
 
 #: What the exact rate counts (census, PROVENANCE ``rate.exact``, the card and the README say the same).
 RATE_DEFINITION = (
@@ -35,24 +36,6 @@ RATE_DEFINITION = (
     "are reported on their own lines and are not part of it"
 )
 
-TORCH_DTYPES = {
-    "torch.bool": "BOOL",
-    "torch.uint8": "U8",
-    "torch.int8": "I8",
-    "torch.int16": "I16",
-    "torch.uint16": "U16",
-    "torch.float16": "F16",
-    "torch.bfloat16": "BF16",
-    "torch.int32": "I32",
-    "torch.uint32": "U32",
-    "torch.float32": "F32",
-    "torch.int64": "I64",
-    "torch.uint64": "U64",
-    "torch.float64": "F64",
-    "torch.float8_e4m3fn": "F8_E4M3",
-    "torch.float8_e5m2": "F8_E5M2",
-}
-ST_TO_TORCH = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 @dataclass
@@ -103,59 +86,37 @@ class Analysis:
 
 
 def check_qconfig(ckpt: Checkpoint, modules: dict[str, Module]) -> list[str]:
-    """quantization_config.json ↔ headers: every stored tensor's shape, n_bytes and dtype, bits, markers."""
+    """quantization_config.json ↔ headers: every stored tensor's shape, n_bytes and dtype (checked as
+    the file was read, :func:`mosaic.checkpoint.qconfig.summarize`), bits, markers, coverage."""
     q = ckpt.qconfig
     if q is None:
         return []
-    where = "quantization_config.json"
-    storage = q.get("tensor_storage")
-    if not isinstance(storage, dict):
-        return [f"{where}: no tensor_storage object"]
+    if ckpt.storage is None:
+        return [f"{WHERE}: no tensor_storage object"]
     problems: list[str] = []
     described: set[str] = set()
-    info = ckpt.by_name  # each of 150,000 look-ups one dict access
-    torch_of = ST_TO_TORCH
-    for key, entry in storage.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("stored_tensors"), dict):
-            problems.append(f"{where}: {key}: entry has no stored_tensors object")
+    for e in ckpt.storage:
+        problems.extend(e.problems)
+        if e.names is None:
             continue
-        for name, st in entry["stored_tensors"].items():
-            described.add(name)
-            t = info.get(name)
-            if t is None:
-                problems.append(f"{where}: {key}: stored tensor {name!r} is in no shard")
-                continue
-            if not isinstance(st, dict):
-                problems.append(f"{where}: {name}: entry is not an object")
-                continue
-            dtype = st.get("dtype")
-            if type(dtype) is str and dtype == torch_of.get(t.dtype) and st.get("n_bytes") == t.nbytes and st.get("shape") == list(t.shape):
-                continue  # the common case, all three fields right: the checks below would add nothing
-            if st.get("shape") != list(t.shape):
-                problems.append(f"{where}: {name}: shape {st.get('shape')} but the header says {list(t.shape)}")
-            if st.get("n_bytes") != t.nbytes:
-                problems.append(f"{where}: {name}: n_bytes {st.get('n_bytes')} but the header says {t.nbytes}")
-            dtype = st.get("dtype")
-            if (TORCH_DTYPES.get(dtype) if isinstance(dtype, str) else None) != t.dtype:
-                problems.append(f"{where}: {name}: dtype {st.get('dtype')!r} but the header says {t.dtype}")
-        m = modules.get(key)
+        described.update(e.names)
+        m = modules.get(e.key)
         if m is not None and m.is_exl3:
-            if entry.get("bits_per_weight") != m.bits:
-                problems.append(f"{where}: {key}: bits_per_weight {entry.get('bits_per_weight')} but the trellis holds {m.bits}")
-            for suf in ("mul1", "mcg"):
-                mult = entry.get(f"{suf}_multiplier")
+            if e.bits_per_weight != m.bits:
+                problems.append(f"{WHERE}: {e.key}: bits_per_weight {e.bits_per_weight} but the trellis holds {m.bits}")
+            for suf, mult in (("mul1", e.mul1_multiplier), ("mcg", e.mcg_multiplier)):
                 if suf == m.marker_suffix:
                     if m.marker_value is not None and mult != m.marker_value:
-                        problems.append(f"{where}: {key}: {suf}_multiplier {mult} but the marker tensor holds {m.marker_value}")
+                        problems.append(f"{WHERE}: {e.key}: {suf}_multiplier {mult} but the marker tensor holds {m.marker_value}")
                 elif mult is not None:
-                    problems.append(f"{where}: {key}: {suf}_multiplier given but the module has no {suf} tensor")
+                    problems.append(f"{WHERE}: {e.key}: {suf}_multiplier given but the module has no {suf} tensor")
     undescribed = [n for n in ckpt.tensor_file if n not in described]
     if undescribed:
-        problems.append(f"{where}: {len(undescribed)} tensor(s) in the shards have no tensor_storage entry, e.g. {undescribed[0]!r}")
+        problems.append(f"{WHERE}: {len(undescribed)} tensor(s) in the shards have no tensor_storage entry, e.g. {undescribed[0]!r}")
     qbits = q.get("bits")
     cbits = (ckpt.config or {}).get("quantization_config", {}).get("bits") if isinstance((ckpt.config or {}).get("quantization_config"), dict) else None
     if cbits is not None and qbits is not None and qbits != cbits:
-        problems.append(f"{where}: bits {qbits} but config.json's quantization_config.bits is {cbits}")
+        problems.append(f"{WHERE}: bits {qbits} but config.json's quantization_config.bits is {cbits}")
     return problems
 
 

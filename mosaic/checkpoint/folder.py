@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import os
 import re
 from collections.abc import Iterator
@@ -23,14 +22,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path, PurePosixPath
 
-from mosaic.errors import CheckpointError, FormatError
-from mosaic.formats.safetensors_reader import (
-    DuplicateKey,
-    ShardHeader,
-    TensorInfo,
-    read_header,
-    strict_json_loadb,
-)
+from mosaic.checkpoint.jsonfile import load_json, load_json_digest
+from mosaic.checkpoint.qconfig import EntrySummary, read_partial, read_qconfig
+from mosaic.errors import CheckpointError
+from mosaic.formats.safetensors_reader import ShardHeader, TensorInfo, read_header
+
+__all__ = ["Checkpoint", "bulk", "check_relative_name", "list_files", "load_json", "open_checkpoint",
+           "read_small_tensors", "text_config"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -75,34 +73,6 @@ def check_relative_name(name: object, what: str, where: str) -> str:
     return name
 
 
-def load_json(path: Path, what: str) -> object:
-    """Read a JSON file strictly: UTF-8, no duplicate keys, no NaN; errors name the file."""
-    return _load_json_digest(path, what)[0]
-
-
-def _load_json_digest(path: Path, what: str) -> tuple[object, str]:
-    """:func:`load_json`, and the SHA-256 of the exact bytes parsed (so that a later reader of the
-    text can prove it reads what was checked)."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise FormatError(f"{path}: cannot read {what}: {e.strerror or e}") from None
-    return _parse_json(raw, path, what), hashlib.sha256(raw).hexdigest()
-
-
-def _parse_json(raw: bytes, path: Path, what: str) -> object:
-    try:
-        return strict_json_loadb(raw)
-    except DuplicateKey as e:
-        raise FormatError(f"{path}: {what}: duplicate key {e.key!r}") from None
-    except UnicodeDecodeError:
-        raise FormatError(f"{path}: {what} is not UTF-8") from None
-    except RecursionError:
-        raise FormatError(f"{path}: {what} is nested too deeply") from None
-    except ValueError as e:
-        raise FormatError(f"{path}: {what} is not valid JSON: {e}") from None
-
-
 def text_config(config: dict) -> dict:
     """The language model's part of a config.json (multimodal configs nest it in ``text_config``)."""
     tc = config.get("text_config")
@@ -130,6 +100,12 @@ class Checkpoint:
     headers_only: bool = False
     #: SHA-256 of the JSON files exactly as they were parsed (index, configs), by name
     digests: dict[str, str] = field(default_factory=dict)
+    #: Every quantization_config.json tensor_storage entry, summarized and checked against the
+    #: headers (mosaic.checkpoint.qconfig); None when opened partially or without a tensor_storage.
+    #: A full opening keeps no entry itself: ``qconfig`` holds the other members only.
+    storage: list[EntrySummary] | None = None
+    #: The entries can be cut out of the file's text by their spans (proved when it was read).
+    storage_by_spans: bool = False
 
     def read_again(self, name: str) -> bytes:
         """The bytes of a JSON file parsed at opening, read again for a writer that splices its text,
@@ -213,81 +189,6 @@ def _shard_sort_key(name: str) -> tuple[int, str]:
     return (int(m.group(1)) if m else 1 << 30, name)
 
 
-# exllamav3 writes quantization_config.json with indent=4: every tensor_storage entry opens on a line
-# of its own at 8 spaces and closes at the first later line that is 8 spaces and "}".
-_ENTRY_START = b'\n        "'
-_ENTRY_END = b"\n        }"
-
-
-def entry_spans(text: bytes) -> dict[str, tuple[int, int]]:
-    """Byte spans ``"key": {...}`` of the 8-space-indented object members of an indent=4 document.
-
-    A scan with ``bytes.find`` (no regex, no parse): at 48 MB and 40,000 entries this is what keeps
-    reading a few entries cheap. Callers check each span with :func:`parse_span` before trusting it."""
-    spans: dict[str, tuple[int, int]] = {}
-    pos = text.find(_ENTRY_START)
-    while pos >= 0:
-        start = pos + 1
-        eol = text.find(b"\n", start)
-        if eol < 0:
-            break
-        if text.endswith(b'": {', start, eol):
-            raw = text[start + 8 : eol - 3]
-            end = text.find(_ENTRY_END, eol)
-            if end < 0:
-                break
-            end += len(_ENTRY_END)
-            key: str | None
-            if b"\\" in raw:
-                try:
-                    key = json.loads(raw)
-                except ValueError:
-                    key = None
-            else:
-                key = raw[1:-1].decode("utf-8", "replace")
-            if isinstance(key, str):
-                spans[key] = (start, end)
-            pos = text.find(_ENTRY_START, end)
-        else:
-            pos = text.find(_ENTRY_START, eol)
-    return spans
-
-
-def parse_span(text: bytes, span: tuple[int, int]) -> tuple[str, object] | None:
-    """The (key, value) a span holds, or None when it is not exactly one JSON member (or repeats a
-    key inside: the strict rule holds for entries read alone as for whole files)."""
-    try:
-        obj = strict_json_loadb(b"{" + text[span[0] : span[1]] + b"}")
-    except (ValueError, RecursionError):
-        return None
-    return next(iter(obj.items())) if isinstance(obj, dict) and len(obj) == 1 else None
-
-
-def _partial_qconfig(path: Path, keys: set[str]) -> tuple[dict, str]:
-    """The tensor_storage entries of ``keys`` only, without parsing the whole 48 MB file when its
-    layout allows; otherwise the whole file, strictly. With the SHA-256 of the text read."""
-    try:
-        text = path.read_bytes()
-    except OSError as e:
-        raise FormatError(f"{path}: cannot read quantization config: {e.strerror or e}") from None
-    digest = hashlib.sha256(text).hexdigest()
-    spans = entry_spans(text)
-    storage: dict[str, object] = {}
-    for k in keys:
-        if k in spans:
-            kv = parse_span(text, spans[k])
-            if kv is None or kv[0] != k:
-                break
-            storage[k] = kv[1]
-    else:
-        return {"tensor_storage": storage}, digest
-    q = _parse_json(text, path, "quantization config")
-    if not isinstance(q, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    full = q.get("tensor_storage")
-    return {"tensor_storage": {k: v for k, v in full.items() if k in keys} if isinstance(full, dict) else {}}, digest
-
-
 @bulk()
 def open_checkpoint(
     root: str | os.PathLike[str],
@@ -316,7 +217,7 @@ def open_checkpoint(
         if known_index is not None:
             index = known_index
         else:
-            index, digests[INDEX_NAME] = _load_json_digest(rootp / INDEX_NAME, "index")
+            index, digests[INDEX_NAME] = load_json_digest(rootp / INDEX_NAME, "index")
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise CheckpointError(f"{rootp / INDEX_NAME}: no 'weight_map' object")
         weight_map = index["weight_map"]
@@ -370,21 +271,20 @@ def open_checkpoint(
         # been checked against the headers; no reader needs it again.
         index = {k: v for k, v in index.items() if k != "weight_map"}
 
-    config = qconfig = None
+    config = None
     if CONFIG_NAME in files:
-        c, digests[CONFIG_NAME] = _load_json_digest(rootp / CONFIG_NAME, "config")
+        c, digests[CONFIG_NAME] = load_json_digest(rootp / CONFIG_NAME, "config")
         if not isinstance(c, dict):
             raise CheckpointError(f"{rootp / CONFIG_NAME}: not a JSON object")
         config = c
+    ck = Checkpoint(rootp, shards, headers, tensor_file, index, config, None, files, problems, partial, headers_only, digests)
     if QCONFIG_NAME in files and partial:
         assert modules is not None
-        qconfig, digests[QCONFIG_NAME] = _partial_qconfig(rootp / QCONFIG_NAME, modules)
+        ck.qconfig, digests[QCONFIG_NAME] = read_partial(rootp / QCONFIG_NAME, modules)
     elif QCONFIG_NAME in files:
-        q, digests[QCONFIG_NAME] = _load_json_digest(rootp / QCONFIG_NAME, "quantization config")
-        if not isinstance(q, dict):
-            raise CheckpointError(f"{rootp / QCONFIG_NAME}: not a JSON object")
-        qconfig = q
-    return Checkpoint(rootp, shards, headers, tensor_file, index, config, qconfig, files, problems, partial, headers_only, digests)
+        q = read_qconfig(rootp / QCONFIG_NAME, ck.by_name)
+        ck.qconfig, ck.storage, digests[QCONFIG_NAME], ck.storage_by_spans = q.top, q.entries, q.digest, q.by_spans
+    return ck
 
 
 def read_small_tensors(ckpt: Checkpoint, names: list[str]) -> dict[str, bytes]:

@@ -1,0 +1,260 @@
+"""quantization_config.json read one tensor_storage entry at a time.
+
+exllamav3 writes the file with ``json.dumps(..., indent=4)``: 48 MB and 38,000 entries at GLM-5.3-Flash's
+size, ~80 MB as Python objects plus the parser's own transient copy, although the census needs a few
+fields of each entry and the layout only the entries a donor replaces. So the text is read as a
+*skeleton* (every entry's value replaced by a placeholder) parsed strictly, plus each entry parsed
+strictly on its own, summarized (:class:`EntrySummary`) and let go.
+
+Why that is the strict parse of the whole document: an entry is found by its first line, 8 spaces
+and ``"key": {`` after a newline, and ends at the first later line of 8 spaces and ``}``. A newline
+cannot occur inside a JSON string, so each entry starts on a token boundary; the entry parsed alone
+(``{`` + entry + ``}``, strictly) is exactly one member, so it ends on one too, and the document's tokens
+are the skeleton's with each placeholder replaced by one value's tokens. The text must hold no
+backslash, so the placeholder (the string ``"\\u0000"``) appears nowhere else: when the skeleton's
+``tensor_storage`` holds exactly one placeholder per entry, under the entries' keys in their order,
+every entry is a direct member of it. Duplicate keys: those of the skeleton are refused by its strict
+parse, those inside an entry by the entry's. Whenever any step of that is not clean, the whole text is
+parsed strictly and has the last word (and names what is wrong).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+from mosaic.checkpoint.jsonfile import parse_json, read_bytes
+from mosaic.errors import CheckpointError
+from mosaic.formats.safetensors_reader import TensorInfo, strict_json_loadb
+
+WHERE = "quantization_config.json"
+
+#: torch dtype names (as quantization_config.json writes them) → safetensors dtypes
+TORCH_DTYPES = {
+    "torch.bool": "BOOL",
+    "torch.uint8": "U8",
+    "torch.int8": "I8",
+    "torch.int16": "I16",
+    "torch.uint16": "U16",
+    "torch.float16": "F16",
+    "torch.bfloat16": "BF16",
+    "torch.int32": "I32",
+    "torch.uint32": "U32",
+    "torch.float32": "F32",
+    "torch.int64": "I64",
+    "torch.uint64": "U64",
+    "torch.float64": "F64",
+    "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.float8_e5m2": "F8_E5M2",
+}
+ST_TO_TORCH = {v: k for k, v in TORCH_DTYPES.items()}
+
+# exllamav3 writes quantization_config.json with indent=4: every tensor_storage entry opens on a line
+# of its own at 8 spaces and closes at the first later line that is 8 spaces and "}".
+_ENTRY_START = b'\n        "'
+_ENTRY_END = b"\n        }"
+_PLACEHOLDER = b'"\\u0000"'
+
+
+class Span(NamedTuple):
+    key: str
+    start: int  # the entry's first byte (its line's indentation)
+    value: int  # the "{" that opens its value
+    end: int  # one past the "}" that closes it
+
+
+def entry_span_list(text: bytes) -> list[Span]:
+    """Every 8-space-indented ``"key": {...}`` member of an indent=4 document, in text order.
+
+    A scan with ``bytes.find`` (no regex, no parse). Nothing here is trusted: callers prove the
+    spans (see the module docstring) or check each with :func:`parse_span`."""
+    spans: list[Span] = []
+    pos = text.find(_ENTRY_START)
+    while pos >= 0:
+        start = pos + 1
+        eol = text.find(b"\n", start)
+        if eol < 0:
+            break
+        if text.endswith(b'": {', start, eol):
+            raw = text[start + 8 : eol - 3]
+            end = text.find(_ENTRY_END, eol)
+            if end < 0:
+                break
+            end += len(_ENTRY_END)
+            key: object
+            if b"\\" in raw:
+                try:
+                    key = json.loads(raw)
+                except ValueError:
+                    key = None
+            else:
+                key = raw[1:-1].decode("utf-8", "replace")
+            if isinstance(key, str):
+                spans.append(Span(key, start, eol - 1, end))
+            pos = text.find(_ENTRY_START, end)
+        else:
+            pos = text.find(_ENTRY_START, eol)
+    return spans
+
+
+def entry_spans(text: bytes) -> dict[str, tuple[int, int]]:
+    """:func:`entry_span_list` by key, as ``(start, end)`` (a repeated key: its last span)."""
+    return {s.key: (s.start, s.end) for s in entry_span_list(text)}
+
+
+def parse_span(text: bytes, span: tuple[int, int]) -> tuple[str, object] | None:
+    """The (key, value) a span holds, or None when it is not exactly one JSON member (or repeats a
+    key inside: the strict rule holds for entries read alone as for whole files)."""
+    try:
+        obj = strict_json_loadb(b"{" + text[span[0] : span[1]] + b"}")
+    except (ValueError, RecursionError):
+        return None
+    return next(iter(obj.items())) if isinstance(obj, dict) and len(obj) == 1 else None
+
+
+def prove_spans(text: bytes) -> tuple[dict, list[Span]] | None:
+    """The document's members but tensor_storage, and the spans of every tensor_storage entry,
+    when the text proves that reading those spans one by one is reading the document (see the module
+    docstring; each span must still parse on its own); else None."""
+    if b"\\" in text:
+        return None
+    spans = entry_span_list(text)
+    if not spans:
+        return None
+    pieces: list[bytes | memoryview] = []
+    view = memoryview(text)
+    pos = 0
+    for s in spans:
+        if s.start < pos:
+            return None
+        pieces += (view[pos : s.value], _PLACEHOLDER)
+        pos = s.end
+    pieces.append(view[pos:])
+    try:
+        doc = strict_json_loadb(b"".join(pieces))
+    except (ValueError, RecursionError):
+        return None
+    storage = doc.get("tensor_storage") if isinstance(doc, dict) else None
+    if (
+        not isinstance(storage, dict)
+        or len(storage) != len(spans)
+        or any(v != "\x00" for v in storage.values())
+        or list(storage) != [s.key for s in spans]
+    ):
+        return None
+    return {k: v for k, v in doc.items() if k != "tensor_storage"}, spans
+
+
+class EntrySummary(NamedTuple):
+    """What the census keeps of one tensor_storage entry: its stored tensors' names (the headers'
+    own string objects), the disagreements of their dtype, shape and n_bytes with the headers, and
+    the three fields the module checks compare. ``names`` is None for an entry without a
+    stored_tensors object (its one problem says so)."""
+
+    key: str
+    names: tuple[str, ...] | None
+    problems: tuple[str, ...]
+    bits_per_weight: object
+    mul1_multiplier: object
+    mcg_multiplier: object
+
+
+def summarize(key: str, entry: object, info: Mapping[str, TensorInfo]) -> EntrySummary:
+    """One entry checked against the headers (``info``: every tensor's header entry by name)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("stored_tensors"), dict):
+        return EntrySummary(key, None, (f"{WHERE}: {key}: entry has no stored_tensors object",), None, None, None)
+    problems: list[str] = []
+    names: list[str] = []
+    torch_of = ST_TO_TORCH
+    for name, st in entry["stored_tensors"].items():
+        t = info.get(name)
+        if t is None:
+            names.append(name)
+            problems.append(f"{WHERE}: {key}: stored tensor {name!r} is in no shard")
+            continue
+        names.append(t.name)
+        if not isinstance(st, dict):
+            problems.append(f"{WHERE}: {name}: entry is not an object")
+            continue
+        dtype = st.get("dtype")
+        if type(dtype) is str and dtype == torch_of.get(t.dtype) and st.get("n_bytes") == t.nbytes and st.get("shape") == list(t.shape):
+            continue  # the common case, all three fields right: the checks below would add nothing
+        if st.get("shape") != list(t.shape):
+            problems.append(f"{WHERE}: {name}: shape {st.get('shape')} but the header says {list(t.shape)}")
+        if st.get("n_bytes") != t.nbytes:
+            problems.append(f"{WHERE}: {name}: n_bytes {st.get('n_bytes')} but the header says {t.nbytes}")
+        if (TORCH_DTYPES.get(dtype) if isinstance(dtype, str) else None) != t.dtype:
+            problems.append(f"{WHERE}: {name}: dtype {st.get('dtype')!r} but the header says {t.dtype}")
+    return EntrySummary(
+        key, tuple(names), tuple(problems), entry.get("bits_per_weight"), entry.get("mul1_multiplier"), entry.get("mcg_multiplier")
+    )
+
+
+class QConfigRead(NamedTuple):
+    """A whole quantization_config.json as the census keeps it."""
+
+    top: dict  # every member but tensor_storage
+    entries: list[EntrySummary] | None  # None: no tensor_storage object
+    digest: str  # SHA-256 of the text read
+    by_spans: bool  # its entries can be cut out of the text by their spans (proved)
+
+
+def read_qconfig(path: Path, info: Mapping[str, TensorInfo]) -> QConfigRead:
+    """Read and summarize every entry, holding one at a time when the text allows (else parsing
+    the whole document strictly, which also names any error)."""
+    text = read_bytes(path, "quantization config")
+    digest = hashlib.sha256(text).hexdigest()
+    proved = prove_spans(text)
+    if proved is not None:
+        top, spans = proved
+        entries = []
+        for s in spans:
+            kv = parse_span(text, (s.start, s.end))
+            if kv is None or kv[0] != s.key:
+                break
+            entries.append(summarize(s.key, kv[1], info))
+        else:
+            return QConfigRead(top, entries, digest, True)
+    q = parse_json(text, path, "quantization config")
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    storage = q.get("tensor_storage")
+    top = {k: v for k, v in q.items() if k != "tensor_storage"}
+    if not isinstance(storage, dict):
+        return QConfigRead(top, None, digest, False)
+    return QConfigRead(top, [summarize(k, e, info) for k, e in storage.items()], digest, False)
+
+
+def entries_of(text: bytes, keys: Iterable[str], spans: Mapping[str, tuple[int, int]] | None, path: Path) -> dict[str, object]:
+    """The tensor_storage entries of ``keys`` (those present), from a text already read and
+    checked: cut out by ``spans`` when given (proved spans of this text), else parsed whole."""
+    wanted = list(keys)
+    if spans is not None:
+        out: dict[str, object] = {}
+        for k in wanted:
+            if k in spans:
+                kv = parse_span(text, spans[k])
+                if kv is None or kv[0] != k:
+                    break
+                out[k] = kv[1]
+        else:
+            return out
+    q = parse_json(text, path, "quantization config")
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    storage = q.get("tensor_storage")
+    return {k: storage[k] for k in wanted if k in storage} if isinstance(storage, dict) else {}
+
+
+def read_partial(path: Path, keys: set[str]) -> tuple[dict, str]:
+    """The tensor_storage entries of ``keys`` only (a donor's: the modules it supplies), without
+    parsing the other entries when the text's spans are proved; otherwise the whole file, strictly.
+    With the SHA-256 of the text read."""
+    text = read_bytes(path, "quantization config")
+    digest = hashlib.sha256(text).hexdigest()
+    proved = prove_spans(text)
+    spans = {s.key: (s.start, s.end) for s in proved[1]} if proved is not None else None
+    return {"tensor_storage": entries_of(text, keys, spans, path)}, digest
