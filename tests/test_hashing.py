@@ -54,3 +54,22 @@ def test_freed_buffers_go_back_to_the_system_where_the_allocator_allows() -> Non
         assert return_freed_buffers() is True
     else:
         assert return_freed_buffers() in (True, False)
+
+
+def test_scratch_buffers_are_reused_per_thread_and_purpose() -> None:
+    """A file's hashing ring is the thread's, reused for its next file; never shared between
+    threads or with the copy buffer of the same thread."""
+    import threading
+
+    from mosaic.hashing import scratch
+
+    ring = scratch("ring", 3, 1024)
+    assert [id(b) for b in scratch("ring", 3, 1024)] == [id(b) for b in ring]
+    assert all(len(b) == 1024 for b in ring)
+    copy = scratch("copy", 1, 1024)[0]
+    assert all(copy is not b for b in ring)
+    other: list[bytearray] = []
+    t = threading.Thread(target=lambda: other.extend(scratch("ring", 3, 1024)))
+    t.start()
+    t.join()
+    assert len(other) == 3 and not {id(b) for b in other} & {id(b) for b in ring}

@@ -29,7 +29,7 @@ from mosaic.faults import point as fault_point
 from mosaic.formats.gguf_container import read_gguf, type_bits, type_name
 from mosaic.formats.safetensors_writer import copy_range
 from mosaic.gguf_card import render_gguf_card
-from mosaic.hashing import CHUNK_SIZE, digest_file, digest_ranges, parallel_map, sha256_bytes
+from mosaic.hashing import digest_file, digest_ranges, parallel_map, scratch, sha256_bytes
 from mosaic.progress import SILENT, Reporter
 from mosaic.records import (
     CARD_NAME,
@@ -125,7 +125,7 @@ def _verified(plan: GGUFPlan) -> dict[str, dict[str, str]]:
 def _write_part(plan: GGUFPlan, index: int, dst_path: Path, on_bytes: object) -> str:
     """Step 2 for one part: header, then each tensor's source range; returns the copy methods used."""
     fname, lay = plan.files[index]
-    buf = bytearray(CHUNK_SIZE)
+    buf = scratch("copy")[0]
     methods: set[str] = set()
     fds: dict[Path, int] = {}
     dst = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)

@@ -27,8 +27,8 @@ from mosaic.build.layout import BuildPlan, ShardPlan
 from mosaic.build.metadata import SplicedText
 from mosaic.errors import VerificationError
 from mosaic.faults import point as fault_point
-from mosaic.formats.safetensors_writer import CHUNK_SIZE, copy_range, write_shard
-from mosaic.hashing import digest_file, digest_ranges, parallel_map
+from mosaic.formats.safetensors_writer import copy_range, write_shard
+from mosaic.hashing import digest_file, digest_ranges, parallel_map, scratch
 from mosaic.progress import SILENT, Reporter
 from mosaic.records import FileRecord
 
@@ -62,7 +62,7 @@ class SpliceResult:
 
 def _copy_whole(src: Path, dst: Path) -> str:
     size = src.stat().st_size
-    buf = bytearray(CHUNK_SIZE)
+    buf = scratch("copy")[0]
     with open(src, "rb") as fi, open(dst, "xb") as fo:
         method = copy_range(fi.fileno(), fo.fileno(), size, 0, 0, buf=buf) if size else "kernel"
         os.fsync(fo.fileno())

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -193,6 +193,28 @@ def summarize(key: str, entry: object, info: Mapping[str, TensorInfo]) -> EntryS
     )
 
 
+#: Entries parsed together (about 1 MB of text at GLM-5.3's entry size)
+_BATCH = 1024
+
+
+def _batches(text: bytes, spans: list[Span]) -> Iterator[list[tuple[str, object]] | None]:
+    """Proved entries parsed strictly a batch at a time: consecutive members of tensor_storage are
+    separated by exactly its separators, so ``{`` + the text from one entry's start to a later one's
+    end + ``}`` is an object of exactly those members. None (then stop) when a batch does not parse
+    to them."""
+    for i in range(0, len(spans), _BATCH):
+        part = spans[i : i + _BATCH]
+        try:
+            obj = strict_json_loadb(b"".join((b"{", text[part[0].start : part[-1].end], b"}")))
+        except (ValueError, RecursionError):
+            yield None
+            return
+        if not isinstance(obj, dict) or list(obj) != [s.key for s in part]:
+            yield None
+            return
+        yield list(obj.items())
+
+
 class QConfigRead(NamedTuple):
     """A whole quantization_config.json as the census keeps it."""
 
@@ -211,11 +233,10 @@ def read_qconfig(path: Path, info: Mapping[str, TensorInfo]) -> QConfigRead:
     if proved is not None:
         top, spans = proved
         entries = []
-        for s in spans:
-            kv = parse_span(text, (s.start, s.end))
-            if kv is None or kv[0] != s.key:
+        for batch in _batches(text, spans):
+            if batch is None:
                 break
-            entries.append(summarize(s.key, kv[1], info))
+            entries += [summarize(k, v, info) for k, v in batch]
         else:
             return QConfigRead(top, entries, digest, True)
     q = parse_json(text, path, "quantization config")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from mosaic.faults import check_cancel
 from mosaic.faults import point as fault_point
 from mosaic.formats.safetensors_reader import DTYPE_BITS, tensor_nbytes
+from mosaic.hashing import scratch
 
 #: Bytes copied per step when the kernel copy is not available; bounds memory per shard.
 CHUNK_SIZE = 8 << 20
@@ -163,7 +164,7 @@ def write_shard(
 
     Source files are opened read-only. The destination must not exist. Returns the copy methods used.
     """
-    buf = bytearray(CHUNK_SIZE)
+    buf = scratch("copy")[0]
     methods: set[str] = set()
     fds: dict[str, int] = {}
     dst = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
