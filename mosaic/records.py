@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from itertools import chain
+from typing import TYPE_CHECKING
 
-import jsonschema
+if TYPE_CHECKING:
+    import jsonschema
+
 
 SCHEMA_ID = "mosaic.provenance/v1"
 RECIPE_NAME = "mosaic-recipe.yaml"
@@ -108,6 +111,8 @@ def schema() -> dict:
 
 @lru_cache(maxsize=1)
 def _validator() -> jsonschema.Draft202012Validator:
+    import jsonschema  # on first use: a command that validates nothing does not pay its import
+
     return jsonschema.Draft202012Validator(schema())
 
 

@@ -33,7 +33,8 @@ def test_entry_spans_find_every_member_exactly() -> None:
 
 def _splice(btext: bytes, base: dict, dtext: bytes, replaced: dict, rate: Fraction, spans: bool = True):  # type: ignore[no-untyped-def]
     donor = json.loads(dtext)
-    cut = metadata.cut_members(dtext, replaced)
+    found = entry_spans(dtext)
+    cut = metadata.cut_members(dtext, {k: found[k] for k in replaced}) if all(k in found for k in replaced) else None
     for key, (member, entry) in (cut or {}).items():
         assert entry == donor["tensor_storage"][key] and member.lstrip().startswith(json.dumps(key).encode())
     expected = metadata.expected_qconfig(base, {"d": donor}, replaced, rate)
@@ -69,7 +70,12 @@ def test_qconfig_in_another_layout_is_written_anew() -> None:
     assert isinstance(out, bytes) and json.loads(out) == expected and len(expected["tensor_storage"]) == 4
     out, expected = _splice(json.dumps(base, indent=4).encode(), base, json.dumps(donor).encode(), replaced, Fraction(5, 2))
     assert isinstance(out, bytes) and json.loads(out) == expected
-    assert metadata.cut_members(json.dumps(donor).encode(), replaced) is None
+    assert entry_spans(json.dumps(donor).encode()) == {}
+    text = json.dumps(donor, indent=4).encode()
+    spans = entry_spans(text)
+    key = "model.layers.1.mlp.down_proj"
+    assert metadata.cut_members(text, {key: spans[key]})[key][1] == donor["tensor_storage"][key]  # type: ignore[index]
+    assert metadata.cut_members(text, {key: (spans[key][0], spans[key][1] - 1)}) is None  # not the whole member
 
 
 def test_a_bits_line_that_is_not_the_top_level_member_is_not_patched() -> None:

@@ -21,7 +21,7 @@ from mosaic.build.selection import Selection
 from mosaic.checkpoint.census import Analysis
 from mosaic.checkpoint.exl3 import Module, exact_rate, is_decoder_linear, part_rates
 from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, Checkpoint, bulk
-from mosaic.checkpoint.qconfig import entries_of, entry_spans
+from mosaic.checkpoint.qconfig import entries_of
 from mosaic.errors import SourceError
 from mosaic.formats.safetensors_reader import strict_json_loadb
 from mosaic.formats.safetensors_writer import OutTensor, ShardLayout, layout_shard
@@ -179,9 +179,10 @@ def _qconfig(
         if ck.qconfig is not None:
             text = ck.read_again(QCONFIG_NAME)
             held = ck.qconfig.get("tensor_storage")
-            # a donor opened for some modules holds their entries (cut by proved spans or parsed
-            # whole): the cuts must be those; a donor opened whole has its spans proved or not
-            cut = cut_members(text, keys) if isinstance(held, dict) or ck.storage_by_spans else None
+            # the donor's entries are cut out by the spans its census proved (a donor opened for
+            # some modules holds them too: the cuts must be those), else parsed from the whole text
+            spans = ck.entry_spans(keys)
+            cut = cut_members(text, spans) if spans is not None and len(spans) == len(keys) else None
             if cut is not None and (not isinstance(held, dict) or all(held.get(k) == cut[k][1] for k in keys)):
                 for k in keys:
                     entries[k] = cut[k][1]
@@ -210,7 +211,7 @@ def _qconfig(
         assert isinstance(full, dict)
         return metadata.expected_qconfig(full, {did: {"tensor_storage": entries} for did in donors_used}, replaced, rate)
 
-    spans = entry_spans(base_text) if bck.storage_by_spans else None
+    spans = bck.entry_spans(replaced)
     bits = (top["bits"], new_bits) if new_bits is not None else None
     return metadata.new_qconfig(base_text, spans, members, bits, whole), set(donors_used)
 

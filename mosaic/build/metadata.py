@@ -11,12 +11,12 @@ import copy
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from mosaic.checkpoint.qconfig import ST_TO_TORCH, entry_spans, parse_span
+from mosaic.checkpoint.qconfig import ST_TO_TORCH, parse_members, parse_span
 from mosaic.errors import CheckpointError, SourceError
 from mosaic.formats.safetensors_reader import strict_json_loadb
 
@@ -170,21 +170,14 @@ def expected_qconfig(base_q: dict, donor_q: Mapping[str, dict | None], replaced:
     return q
 
 
-def cut_members(text: bytes, keys: Iterable[str], spans: Mapping[str, tuple[int, int]] | None = None) -> dict[str, tuple[bytes, object]] | None:
-    """Each key's member text (``"key": {...}``) cut out of an indent=4 quantization_config.json,
-    with the entry it parses to (strictly, alone); None when one cannot be cut exactly."""
-    spans = spans if spans is not None else entry_spans(text)
-    out: dict[str, tuple[bytes, object]] = {}
-    for k in keys:
-        span = spans.get(k)
-        if span is None:
-            return None
-        member = text[span[0] : span[1]]
-        kv = parse_span(member, (0, len(member)))
-        if kv is None or kv[0] != k:
-            return None
-        out[k] = (member, kv[1])
-    return out
+def cut_members(text: bytes, spans: Mapping[str, tuple[int, int]]) -> dict[str, tuple[bytes, object]] | None:
+    """Each key's member text (``"key": {...}``) cut out of a quantization_config.json by its span,
+    with the entry it parses to (strictly, neighbours a batch at a time); None when one is not
+    exactly its member."""
+    parsed = parse_members(text, ((k, a, e) for k, (a, e) in spans.items()))
+    if parsed is None:
+        return None
+    return {k: (text[spans[k][0] : spans[k][1]], v) for k, v in parsed}
 
 
 def new_qconfig(

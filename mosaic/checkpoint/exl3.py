@@ -139,12 +139,13 @@ class Module:
 def group_modules(tensors: Iterable[TensorInfo]) -> dict[str, Module]:
     """Group header entries into modules by parent key, in first-seen order."""
     mods: dict[str, Module] = {}
+    suffixes: dict[str, str] = {}  # one object per suffix ("trellis", "suh", ...), not one per tensor
     for t in tensors:
-        key, suffix = module_key(t.name)
+        key, _, suffix = t.name.rpartition(".")
         m = mods.get(key)
         if m is None:
             m = mods[key] = Module(key, parse_key(key))
-        m.tensors[suffix] = t
+        m.tensors[suffixes.setdefault(suffix, suffix)] = t
     for m in mods.values():
         m.derive()
     return mods

@@ -16,7 +16,8 @@ import gc
 import hashlib
 import os
 import re
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -104,8 +105,21 @@ class Checkpoint:
     #: headers (mosaic.checkpoint.qconfig); None when opened partially or without a tensor_storage.
     #: A full opening keeps no entry itself: ``qconfig`` holds the other members only.
     storage: list[EntrySummary] | None = None
-    #: The entries can be cut out of the file's text by their spans (proved when it was read).
-    storage_by_spans: bool = False
+    #: Where each entry lies in the file's text, when proved as it was read: (start, end) of each
+    #: entry of ``storage``, flattened (a full opening), or of each entry held (a partial one).
+    storage_offsets: array | None = None
+    partial_spans: dict[str, tuple[int, int]] | None = None
+
+    def entry_spans(self, keys: Iterable[str]) -> dict[str, tuple[int, int]] | None:
+        """The proved spans of these quantization_config.json entries in the text the census read
+        (those it has), or None when its spans were not proved (the text must be parsed whole)."""
+        if self.partial_spans is not None:
+            return {k: self.partial_spans[k] for k in keys if k in self.partial_spans}
+        if self.storage_offsets is None or self.storage is None:
+            return None
+        wanted = set(keys)
+        off = self.storage_offsets
+        return {e.key: (off[2 * i], off[2 * i + 1]) for i, e in enumerate(self.storage) if e.key in wanted}
 
     def read_again(self, name: str) -> bytes:
         """The bytes of a JSON file parsed at opening, read again for a writer that splices its text,
@@ -280,10 +294,10 @@ def open_checkpoint(
     ck = Checkpoint(rootp, shards, headers, tensor_file, index, config, None, files, problems, partial, headers_only, digests)
     if QCONFIG_NAME in files and partial:
         assert modules is not None
-        ck.qconfig, digests[QCONFIG_NAME] = read_partial(rootp / QCONFIG_NAME, modules)
+        ck.qconfig, digests[QCONFIG_NAME], ck.partial_spans = read_partial(rootp / QCONFIG_NAME, modules)
     elif QCONFIG_NAME in files:
         q = read_qconfig(rootp / QCONFIG_NAME, ck.by_name)
-        ck.qconfig, ck.storage, digests[QCONFIG_NAME], ck.storage_by_spans = q.top, q.entries, q.digest, q.by_spans
+        ck.qconfig, ck.storage, digests[QCONFIG_NAME], ck.storage_offsets = q.top, q.entries, q.digest, q.offsets
     return ck
 
 

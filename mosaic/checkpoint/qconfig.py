@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -162,13 +163,16 @@ class EntrySummary(NamedTuple):
     mcg_multiplier: object
 
 
-def summarize(key: str, entry: object, info: Mapping[str, TensorInfo]) -> EntrySummary:
-    """One entry checked against the headers (``info``: every tensor's header entry by name)."""
+def summarize(key: str, entry: object, info: Mapping[str, TensorInfo], _want: dict | None = None) -> EntrySummary:
+    """One entry checked against the headers (``info``: every tensor's header entry by name).
+
+    ``_want`` caches, per header (dtype, shape, size), the stored-tensor record that agrees with it:
+    at 151,000 stored tensors one dict comparison each decides the common case."""
     if not isinstance(entry, dict) or not isinstance(entry.get("stored_tensors"), dict):
         return EntrySummary(key, None, (f"{WHERE}: {key}: entry has no stored_tensors object",), None, None, None)
+    want = _want if _want is not None else {}
     problems: list[str] = []
     names: list[str] = []
-    torch_of = ST_TO_TORCH
     for name, st in entry["stored_tensors"].items():
         t = info.get(name)
         if t is None:
@@ -176,12 +180,16 @@ def summarize(key: str, entry: object, info: Mapping[str, TensorInfo]) -> EntryS
             problems.append(f"{WHERE}: {key}: stored tensor {name!r} is in no shard")
             continue
         names.append(t.name)
+        k = (t.dtype, t.shape, t.end - t.begin)
+        good = want.get(k)
+        if good is None:
+            good = want[k] = {"shape": list(t.shape), "n_bytes": t.end - t.begin, "dtype": ST_TO_TORCH.get(t.dtype)}
+        if st == good and type(st["dtype"]) is str:
+            continue  # the common case, all three fields right (and nothing else): nothing to report
         if not isinstance(st, dict):
             problems.append(f"{WHERE}: {name}: entry is not an object")
             continue
         dtype = st.get("dtype")
-        if type(dtype) is str and dtype == torch_of.get(t.dtype) and st.get("n_bytes") == t.nbytes and st.get("shape") == list(t.shape):
-            continue  # the common case, all three fields right: the checks below would add nothing
         if st.get("shape") != list(t.shape):
             problems.append(f"{WHERE}: {name}: shape {st.get('shape')} but the header says {list(t.shape)}")
         if st.get("n_bytes") != t.nbytes:
@@ -195,24 +203,43 @@ def summarize(key: str, entry: object, info: Mapping[str, TensorInfo]) -> EntryS
 
 #: Entries parsed together (about 1 MB of text at GLM-5.3's entry size)
 _BATCH = 1024
+_JSON_SPACE = b" \t\n\r"
 
 
-def _batches(text: bytes, spans: list[Span]) -> Iterator[list[tuple[str, object]] | None]:
-    """Proved entries parsed strictly a batch at a time: consecutive members of tensor_storage are
-    separated by exactly its separators, so ``{`` + the text from one entry's start to a later one's
-    end + ``}`` is an object of exactly those members. None (then stop) when a batch does not parse
-    to them."""
-    for i in range(0, len(spans), _BATCH):
-        part = spans[i : i + _BATCH]
+def member_batches(text: bytes, spans: Iterable[tuple[str, int, int]]) -> Iterator[list[tuple[str, object]] | None]:
+    """The (key, entry) of each ``(key, start, end)`` span, in text order, parsed strictly a batch
+    of neighbours at a time; a None batch (then nothing more) when a span is not exactly its member.
+
+    Spans next to each other in the text (only JSON whitespace and one comma between them) are
+    members of one object with its own separators, so ``{`` + the text from the first one's start
+    to the last one's end + ``}`` must be an object of exactly those members, in that order: one
+    strict parse for up to a thousand entries instead of one each, and only a batch held at once."""
+    ordered = sorted(spans, key=lambda s: s[1])
+    i = 0
+    while i < len(ordered):
+        j = i + 1
+        while j < len(ordered) and j - i < _BATCH and text[ordered[j - 1][2] : ordered[j][1]].strip(_JSON_SPACE) == b",":
+            j += 1
+        run = ordered[i:j]
         try:
-            obj = strict_json_loadb(b"".join((b"{", text[part[0].start : part[-1].end], b"}")))
+            obj = strict_json_loadb(b"".join((b"{", text[run[0][1] : run[-1][2]], b"}")))
         except (ValueError, RecursionError):
-            yield None
-            return
-        if not isinstance(obj, dict) or list(obj) != [s.key for s in part]:
+            obj = None
+        if not isinstance(obj, dict) or list(obj) != [k for k, _, _ in run]:
             yield None
             return
         yield list(obj.items())
+        i = j
+
+
+def parse_members(text: bytes, spans: Iterable[tuple[str, int, int]]) -> list[tuple[str, object]] | None:
+    """Every batch of :func:`member_batches`, or None."""
+    out: list[tuple[str, object]] = []
+    for batch in member_batches(text, spans):
+        if batch is None:
+            return None
+        out += batch
+    return out
 
 
 class QConfigRead(NamedTuple):
@@ -221,32 +248,35 @@ class QConfigRead(NamedTuple):
     top: dict  # every member but tensor_storage
     entries: list[EntrySummary] | None  # None: no tensor_storage object
     digest: str  # SHA-256 of the text read
-    by_spans: bool  # its entries can be cut out of the text by their spans (proved)
+    #: each entry's (start, end) in the text, flattened, aligned with ``entries``, when proved
+    offsets: array | None
 
 
 def read_qconfig(path: Path, info: Mapping[str, TensorInfo]) -> QConfigRead:
-    """Read and summarize every entry, holding one at a time when the text allows (else parsing
-    the whole document strictly, which also names any error)."""
+    """Read and summarize every entry, holding a batch at a time when the text allows (else
+    parsing the whole document strictly, which also names any error)."""
     text = read_bytes(path, "quantization config")
     digest = hashlib.sha256(text).hexdigest()
     proved = prove_spans(text)
+    want: dict = {}
     if proved is not None:
         top, spans = proved
-        entries = []
-        for batch in _batches(text, spans):
+        entries: list[EntrySummary] = []
+        for batch in member_batches(text, ((s.key, s.start, s.end) for s in spans)):
             if batch is None:
                 break
-            entries += [summarize(k, v, info) for k, v in batch]
+            entries += [summarize(k, v, info, want) for k, v in batch]
         else:
-            return QConfigRead(top, entries, digest, True)
+            offsets = array("q", (x for s in spans for x in (s.start, s.end)))
+            return QConfigRead(top, entries, digest, offsets)
     q = parse_json(text, path, "quantization config")
     if not isinstance(q, dict):
         raise CheckpointError(f"{path}: not a JSON object")
     storage = q.get("tensor_storage")
     top = {k: v for k, v in q.items() if k != "tensor_storage"}
     if not isinstance(storage, dict):
-        return QConfigRead(top, None, digest, False)
-    return QConfigRead(top, [summarize(k, e, info) for k, e in storage.items()], digest, False)
+        return QConfigRead(top, None, digest, None)
+    return QConfigRead(top, [summarize(k, e, info, want) for k, e in storage.items()], digest, None)
 
 
 def entries_of(text: bytes, keys: Iterable[str], spans: Mapping[str, tuple[int, int]] | None, path: Path) -> dict[str, object]:
@@ -254,15 +284,9 @@ def entries_of(text: bytes, keys: Iterable[str], spans: Mapping[str, tuple[int, 
     checked: cut out by ``spans`` when given (proved spans of this text), else parsed whole."""
     wanted = list(keys)
     if spans is not None:
-        out: dict[str, object] = {}
-        for k in wanted:
-            if k in spans:
-                kv = parse_span(text, spans[k])
-                if kv is None or kv[0] != k:
-                    break
-                out[k] = kv[1]
-        else:
-            return out
+        found = parse_members(text, ((k, *spans[k]) for k in wanted if k in spans))
+        if found is not None:
+            return dict(found)
     q = parse_json(text, path, "quantization config")
     if not isinstance(q, dict):
         raise CheckpointError(f"{path}: not a JSON object")
@@ -270,12 +294,12 @@ def entries_of(text: bytes, keys: Iterable[str], spans: Mapping[str, tuple[int, 
     return {k: storage[k] for k in wanted if k in storage} if isinstance(storage, dict) else {}
 
 
-def read_partial(path: Path, keys: set[str]) -> tuple[dict, str]:
+def read_partial(path: Path, keys: set[str]) -> tuple[dict, str, dict[str, tuple[int, int]] | None]:
     """The tensor_storage entries of ``keys`` only (a donor's: the modules it supplies), without
     parsing the other entries when the text's spans are proved; otherwise the whole file, strictly.
-    With the SHA-256 of the text read."""
+    With the SHA-256 of the text read and, when proved, the spans of those entries."""
     text = read_bytes(path, "quantization config")
     digest = hashlib.sha256(text).hexdigest()
     proved = prove_spans(text)
-    spans = {s.key: (s.start, s.end) for s in proved[1]} if proved is not None else None
-    return {"tensor_storage": entries_of(text, keys, spans, path)}, digest
+    spans = {s.key: (s.start, s.end) for s in proved[1] if s.key in keys} if proved is not None else None
+    return {"tensor_storage": entries_of(text, keys, spans, path)}, digest, spans

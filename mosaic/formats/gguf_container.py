@@ -16,6 +16,7 @@ import os
 import struct
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 
 from mosaic.errors import FormatError
 
@@ -43,10 +44,14 @@ GGML_TYPE_OF_DTYPE = {"F32": 0, "F16": 1, "I8": 24, "I16": 25, "I32": 26, "I64":
 
 
 
-def _ggml_quant_types() -> dict[int, tuple[str, int, int]]:
-    """llama.cpp's quantized types (Q4_0, Q8_0, Q4_K, IQ2_XS, ...) from gguf-py's own table, which
+@lru_cache(maxsize=1)
+def quant_types() -> dict[int, tuple[str, int, int]]:
+    """ggml's quantized types: id -> (name, block size, type size).
+
+    llama.cpp's quantized types (Q4_0, Q8_0, Q4_K, IQ2_XS, ...) from gguf-py's own table, which
     follows ggml's: id -> (name, block size, type size). The plain types above stay this module's own;
-    a GGUF mosaic copies every other type's blocks byte for byte and needs only their sizes."""
+    a GGUF mosaic copies every other type's blocks byte for byte and needs only their sizes. Read on
+    first use: gguf-py brings numpy, which an EXL3 command never needs."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     out = {}
@@ -56,9 +61,6 @@ def _ggml_quant_types() -> dict[int, tuple[str, int, int]]:
             out[int(t)] = (t.name, bs, ts)
     return out
 
-
-#: ggml's quantized types: id -> (name, block size, type size)
-QUANT_TYPES: dict[int, tuple[str, int, int]] = _ggml_quant_types()
 
 EXL3_BASE = 256
 EXL3_CODEBOOKS = ("mul1", "mcg", "3inst")
@@ -93,8 +95,8 @@ def exl3_bits2(type_id: int) -> int | None:
 def type_name(type_id: int) -> str:
     if type_id in PLAIN_TYPES:
         return PLAIN_TYPES[type_id][0]
-    if type_id in QUANT_TYPES:
-        return QUANT_TYPES[type_id][0]
+    if type_id in quant_types():
+        return quant_types()[type_id][0]
     b2 = exl3_bits2(type_id)
     if b2 is not None:
         cb = EXL3_CODEBOOKS[(type_id - EXL3_BASE) // 16]
@@ -106,8 +108,8 @@ def type_block(type_id: int) -> tuple[int, int] | None:
     """(block size in values, bytes per block), None for a type this module does not know."""
     if type_id in PLAIN_TYPES:
         return PLAIN_TYPES[type_id][1:]
-    if type_id in QUANT_TYPES:
-        return QUANT_TYPES[type_id][1:]
+    if type_id in quant_types():
+        return quant_types()[type_id][1:]
     b2 = exl3_bits2(type_id)
     if b2 is not None:
         return EXL3_BLOCK, 8 * b2  # 128 values * bits / 8
