@@ -161,3 +161,19 @@ def test_the_proof_needs_every_entry_in_tensor_storage() -> None:
     assert proved is not None and [s.key for s in proved[1]] == ["m.0", "m.1"]
     nested = json.dumps({"outer": doc}, indent=4).encode()  # entries at 12 spaces: nothing to prove
     assert prove_spans(nested) is None
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    storage=st.dictionaries(_key, st.one_of(st.dictionaries(_key, _value, max_size=2), _value), max_size=4),
+    top=st.dictionaries(_key.filter(lambda k: k != "tensor_storage"), st.dictionaries(_key, _value, max_size=2), max_size=2),
+    cut=st.integers(0, 300),
+    junk=st.sampled_from([b"", b"\n        }", b'\n        "k": {\n', b"\n        },", b'\n        "\xff": {\n']),
+)
+def test_entry_spans_found_at_c_speed_are_the_line_scan_s(storage, top, cut, junk) -> None:  # type: ignore[no-untyped-def]
+    from mosaic.checkpoint.qconfig import _entry_span_scan, entry_span_list
+
+    text = json.dumps({**top, "tensor_storage": storage}, indent=4).encode()
+    at = min(cut, len(text))
+    for t in (text, text[:at] + junk + text[at:]):
+        assert entry_span_list(t) == _entry_span_scan(t)

@@ -323,3 +323,67 @@ def test_a_float_literal_that_overflows_is_refused_like_infinity(literal: str) -
     for parse in (strict_json_loads, lambda t: strict_json_loadb(t.encode())):
         with pytest.raises(ValueError, match="overflows"):
             parse('{"rate": {"exact": ' + literal + '}}')
+
+
+_dtypes = st.sampled_from(["F16", "I16", "U8", "F4", "F6_E2M3", "BOOL", "X9", "f16"])
+_dims = st.one_of(st.integers(0, 5), st.sampled_from([-1, True, 1.0, "2", None]))
+_entry_values = st.fixed_dictionaries(
+    {
+        "dtype": st.one_of(_dtypes, st.integers(0, 2), st.lists(st.integers(), max_size=1)),
+        "shape": st.one_of(st.lists(_dims, max_size=3), st.integers(0, 3)),
+        "data_offsets": st.one_of(st.lists(st.integers(-1, 40), min_size=0, max_size=3), st.none()),
+    },
+    optional={"extra": st.integers(0, 1)},
+)
+
+
+@settings(max_examples=FUZZ_EXAMPLES * 3, deadline=None)
+@given(
+    entries=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), _entry_values), max_size=4, unique_by=lambda kv: kv[0]),
+    metadata=st.one_of(st.none(), st.just({"format": "pt"}), st.just({"n": 1}), st.just("pt")),
+    data=st.integers(0, 48),
+    tiled=st.booleans(),
+)
+def test_fast_header_columns_equal_the_strict_reader(entries: list, metadata: object, data: int, tiled: bool) -> None:
+    """The column-wise fast header never accepts what the rule-by-rule reader refuses, and what it
+    accepts reads the same: names, dtypes, shapes, ranges, data order, metadata."""
+    import mosaic.formats.safetensors_reader as reader
+
+    if tiled:  # mostly valid headers: offsets that tile the data exactly, from their sizes
+        pos, fixed = 0, []
+        for name, e in entries:
+            shape = e["shape"] if isinstance(e["shape"], list) else []
+            n = 1
+            for d in shape:
+                n *= d if type(d) is int and d > 0 else 1
+            size = n * 2
+            fixed.append((name, {**e, "data_offsets": [pos, pos + size]}))
+            pos += size
+        entries, data = fixed, pos
+    doc = dict(entries)
+    if metadata is not None:
+        doc = {"__metadata__": metadata, **doc}
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    head = len(raw).to_bytes(8, "little") + raw
+    size = len(head) + data
+
+    def outcome(fast: bool) -> object:
+        try:
+            if fast:
+                h = reader._fast_header("f", raw, size)
+            else:
+                real = reader._fast_header
+                reader._fast_header = lambda *a: (_ for _ in ()).throw(reader._Unproven())  # type: ignore[assignment]
+                try:
+                    h = reader.parse_header("f", head, size)
+                finally:
+                    reader._fast_header = real  # type: ignore[assignment]
+        except reader._Unproven:
+            return "unproven"
+        except SafetensorsError as e:
+            return ("error", e.rule)
+        return ("ok", h.tensors, h.metadata, h.header_len)
+
+    fast, slow = outcome(True), outcome(False)
+    if fast != "unproven":
+        assert fast == slow

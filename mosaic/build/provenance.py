@@ -41,12 +41,12 @@ def card_base_model(folder: Path) -> list[str]:
     to draw. Read with huggingface_hub's own front-matter parser; a card that is missing, too large
     or unreadable simply names nothing (the base's repo id is used instead, when there is one).
     """
-    from huggingface_hub import metadata_load
-
     readme = folder / CARD_NAME
     try:
         if not readme.is_file() or readme.stat().st_size > MAX_CARD_BYTES:
             return []
+        from huggingface_hub import metadata_load  # only when there is a card (its import takes 0.2 s)
+
         meta = metadata_load(readme) or {}
     except Exception:  # a malformed card is the base's business; the lineage falls back to the repo id
         return []

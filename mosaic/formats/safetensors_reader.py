@@ -22,10 +22,13 @@ and never executes anything from a file.
 from __future__ import annotations
 
 import json
+import math
+import operator
 import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from pathlib import Path
 from typing import NamedTuple
 
@@ -380,7 +383,8 @@ def _fast_header(path: str, raw: bytes, file_size: int) -> ShardHeader:
     The slow path (:func:`parse_header` below) re-reads anything this refuses, so every error keeps
     its exact rule and key. The duplicate-key proof needs no walk of the entries: a valid entry is an
     object of exactly three members whose only string, the dtype, holds no colon, so it adds exactly
-    three colons to the text."""
+    three colons to the text. Every rule is checked a column at a time (``map`` over the entries runs
+    in C), not with a Python loop per tensor: 151,000 entries per GLM-5.3 checkpoint."""
     if raw[:1] != b"{" or b"\\" in raw:
         raise _Unproven
     try:
@@ -391,52 +395,57 @@ def _fast_header(path: str, raw: bytes, file_size: int) -> ShardHeader:
         raise _Unproven
     colons = len(obj) + "".join(obj).count(":")
     metadata = None
-    tensors: list[TensorInfo] = []
-    append = tensors.append
-    bits_of = DTYPE_BITS
-    dtypes, shapes, shared = _DTYPE_OBJECTS, _SHAPES, _shared_shape
-    new_tuple = tuple.__new__
-    pos = 0
-    tiled = True
-    for name, entry in obj.items():
-        if type(entry) is not dict or len(entry) != 3:
-            if name != _METADATA_KEY or type(entry) is not dict:
-                raise _Unproven
-        elif name != _METADATA_KEY:
-            dtype = entry.get("dtype")
-            shape = entry.get("shape")
-            offsets = entry.get("data_offsets")
-            bits = bits_of.get(dtype) if type(dtype) is str else None
-            if bits is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
-                raise _Unproven
-            begin, end = offsets
-            if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
-                raise _Unproven
-            for d in shape:
-                if type(d) is not int or d < 0:
-                    raise _Unproven
-                bits *= d
-            if bits % 8 or bits // 8 != end - begin:
-                raise _Unproven
-            if begin != pos:
-                tiled = False
-            pos = end
-            shape_t = tuple(shape)
-            shape_t = shapes.get(shape_t) or shared(shape_t)
-            append(new_tuple(TensorInfo, (name, dtypes[dtype], shape_t, begin, end)))
-            continue
-        values = entry.values()
-        if not all(type(v) is str for v in values):
+    if _METADATA_KEY in obj:
+        metadata = obj.pop(_METADATA_KEY)
+        values = metadata.values() if type(metadata) is dict else None
+        if values is None or not all(type(v) is str for v in values):
             raise _Unproven
-        colons += len(entry) + "".join(entry).count(":") + "".join(values).count(":")
-        metadata = entry
+        colons += len(metadata) + "".join(metadata).count(":") + "".join(values).count(":")
+    names = list(obj)
+    entries = list(obj.values())
+    del obj
+    data_size = file_size - 8 - len(raw)
+    tensors: list[TensorInfo] = []
+    if entries:
+        if set(map(type, entries)) != {dict} or set(map(len, entries)) != {3}:
+            raise _Unproven
+        try:
+            dtypes = list(map(_DTYPE_OBJECTS.__getitem__, map(_DTYPE_OF, entries)))
+            shapes = list(map(_SHAPE_OF, entries))
+            offsets = list(map(_OFFSETS_OF, entries))
+        except (KeyError, TypeError):
+            raise _Unproven from None
+        if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+            raise _Unproven
+        dims = list(chain.from_iterable(shapes))
+        if dims and (set(map(type, dims)) != {int} or min(dims) < 0):
+            raise _Unproven
+        begins = list(map(_FIRST, offsets))
+        ends = list(map(_SECOND, offsets))
+        if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or min(begins) < 0 or any(map(operator.gt, begins, ends)):
+            raise _Unproven
+        bits = list(map(operator.mul, map(DTYPE_BITS.__getitem__, dtypes), map(math.prod, shapes)))
+        if any(map(operator.mod, bits, repeat(8))) or list(map(operator.floordiv, bits, repeat(8))) != list(map(operator.sub, ends, begins)):
+            raise _Unproven
+        shape_ts = list(map(tuple, shapes))
+        shared = {t: _shared_shape(t) for t in set(shape_ts)}
+        tensors = list(map(tuple.__new__, repeat(TensorInfo), zip(names, dtypes, map(shared.__getitem__, shape_ts), begins, ends)))
+        tiled = begins[0] == 0 and begins[1:] == ends[:-1] and ends[-1] == data_size
+    else:
+        tiled = data_size == 0
     if colons + 3 * len(tensors) != raw.count(b":"):
         raise _Unproven
-    data_size = file_size - 8 - len(raw)
-    if not tiled or pos != data_size:
+    if not tiled:
         tensors.sort(key=lambda t: (t.begin, t.end))
         _check_tiling(path, tensors, data_size)
     return ShardHeader(path, len(raw), file_size, metadata, tuple(tensors), {t.name: t for t in tensors})
+
+
+_DTYPE_OF = operator.itemgetter("dtype")
+_SHAPE_OF = operator.itemgetter("shape")
+_OFFSETS_OF = operator.itemgetter("data_offsets")
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
 
 
 # --- entry points --------------------------------------------------------------------------------
