@@ -8,12 +8,13 @@ nothing of plans or splicing.
 from __future__ import annotations
 
 import json
+import operator
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from itertools import chain
+from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -143,24 +144,31 @@ def _surely_valid_tensor(t: object) -> bool:
 
 
 def _surely_valid_tensors(tensors: list[object]) -> bool:
-    """:func:`_surely_valid_tensor` for a whole list, column by column: a few passes at C speed
-    instead of a Python function per record (151,000 of them for GLM-5.3). False sends every
-    record through the item test (and the schema) to find which ones fail."""
-    if not all(type(t) is dict and t.keys() == _TENSOR_KEYS for t in tensors):
+    """:func:`_surely_valid_tensor` for a whole list, column by column: ``map`` over the records
+    (C speed) instead of a Python function per record (151,000 of them for GLM-5.3). False sends
+    every record through the item test (and the schema) to find which ones fail."""
+    if not tensors:
+        return True
+    if set(map(type, tensors)) != {dict} or not all(map(operator.eq, map(dict.keys, tensors), repeat(_TENSOR_KEYS))):  # type: ignore[arg-type]
         return False
-    col = {k: [t[k] for t in tensors] for k in _TENSOR_KEYS}  # type: ignore[index]
-    names, files, dtypes, shapes, nbytes, shas, sources = (
-        col["name"], col["file"], col["dtype"], col["shape"], col["nbytes"], col["sha256"], col["source"]
-    )
+    col = {k: list(map(operator.itemgetter(k), tensors)) for k in _TENSOR_KEYS}
+    return _valid_columns(col["name"], col["file"], col["dtype"], col["shape"], col["nbytes"], col["sha256"], col["source"], list)
+
+
+def _valid_columns(names: list, files: list, dtypes: list, shapes: list, nbytes: list, shas: list, sources: list, shape_type: type) -> bool:
+    """The item rules of the schema's tensor record over whole columns (exact or stricter)."""
+    flat = list(chain.from_iterable(shapes)) if set(map(type, shapes)) == {shape_type} else None
     return (
-        all(type(x) is str for x in chain(names, files, dtypes, shas, sources))
+        set(map(type, chain(names, files, dtypes, shas, sources))) == {str}
         and "" not in names
         and all(x != "" and _BAD_NAME_RE.search(x) is None for x in set(files))
         and "" not in dtypes
-        and all(type(s) is list for s in shapes)
-        and all(type(d) is int and d >= 0 for d in chain.from_iterable(shapes))
-        and all(type(n) is int and n >= 0 for n in nbytes)
-        and all(len(h) == 64 for h in shas)
+        and flat is not None
+        and set(map(type, flat)) <= {int}
+        and (not flat or min(flat) >= 0)
+        and set(map(type, nbytes)) == {int}
+        and min(nbytes) >= 0
+        and set(map(len, shas)) == {64}
         and _HEX_RE.fullmatch("".join(shas)) is not None
         and all(_ID_RE.match(x) is not None for x in set(sources))
     )
@@ -168,18 +176,7 @@ def _surely_valid_tensors(tensors: list[object]) -> bool:
 
 def _surely_valid_columns(t: TensorColumns) -> bool:
     """:func:`_surely_valid_tensors` for records held as columns (the build's own)."""
-    return (
-        all(type(x) is str for x in chain(t.name, t.file, t.dtype, t.sha256, t.source))
-        and "" not in t.name
-        and all(x != "" and _BAD_NAME_RE.search(x) is None for x in set(t.file))
-        and "" not in t.dtype
-        and all(type(s) is tuple for s in t.shape)
-        and all(type(d) is int and d >= 0 for d in chain.from_iterable(set(t.shape)))
-        and all(type(n) is int and n >= 0 for n in t.nbytes)
-        and all(len(h) == 64 for h in t.sha256)
-        and _HEX_RE.fullmatch("".join(t.sha256)) is not None
-        and all(_ID_RE.match(x) is not None for x in set(t.source))
-    )
+    return not len(t) or _valid_columns(t.name, t.file, t.dtype, t.shape, t.nbytes, t.sha256, t.source, tuple)
 
 
 def _format(e: jsonschema.ValidationError, prefix: tuple[object, ...] = ()) -> str:

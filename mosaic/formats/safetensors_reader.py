@@ -218,19 +218,45 @@ _NUMBER_START = frozenset(b"[:, \t\n\r")
 def _has_long_integer(raw: bytes) -> bool:
     """Whether a run of 19+ digits starts a JSON number (digits inside strings, e.g. in hex
     digests, follow a quote or a letter, not a separator). A scan at C speed: a regex with a
-    look-behind alternative reads 48 MB at a few tens of MB/s."""
-    zeros = raw.translate(_DIGITS_AS_ZERO)
+    look-behind alternative reads 48 MB at a few tens of MB/s. Windows of 4 MB (overlapping by a
+    run's length) keep the translated copy small."""
     run = b"0" * _LONG
-    i = zeros.find(run)
-    while i >= 0:
-        j = i - 1 if i and raw[i - 1] != 0x2D else i - 2  # skip a minus sign
-        if j < 0 or raw[j] in _NUMBER_START:
-            return True
-        k = i + _LONG
-        while k < len(zeros) and zeros[k] == 0x30:
-            k += 1
-        i = zeros.find(run, k)
+    step = _WINDOW
+    for base in range(0, max(len(raw), 1), step):
+        stop = min(len(raw), base + step + _LONG)
+        zeros = raw[base:stop].translate(_DIGITS_AS_ZERO)
+        i = zeros.find(run)
+        while i >= 0:
+            at = base + i
+            if at == 0 or raw[at - 1] not in _DIGITS:  # the start of a run, not inside a longer one
+                j = at - 1 if at and raw[at - 1] != 0x2D else at - 2  # skip a minus sign
+                if j < 0 or raw[j] in _NUMBER_START:
+                    return True
+            k = i + _LONG
+            while k < len(zeros) and zeros[k] == 0x30:
+                k += 1
+            i = zeros.find(run, k)
     return False
+
+
+_WINDOW = 4 << 20
+_DIGITS = frozenset(b"0123456789")
+#: Containers longer than this are re-serialized a slice at a time for the colon count.
+_SLICE = 4096
+
+
+def _colons(obj: object, top: bool = True) -> int:
+    """The colons of ``orjson.dumps(obj)``, counted without ever holding the whole re-serialized
+    text: long lists and objects a slice at a time, the top-level object member by member (a
+    40 MB PROVENANCE.json is one long list of records under one member)."""
+    if type(obj) is list and len(obj) > _SLICE:
+        return sum(orjson.dumps(obj[i : i + _SLICE]).count(b":") for i in range(0, len(obj), _SLICE))
+    if type(obj) is dict and (top or len(obj) > _SLICE):
+        if top:
+            return len(obj) + "".join(obj).count(":") + sum(_colons(v, False) for v in obj.values())
+        items = list(obj.items())
+        return sum(orjson.dumps(dict(items[i : i + _SLICE])).count(b":") for i in range(0, len(items), _SLICE))
+    return orjson.dumps(obj).count(b":")
 
 
 class _Unproven(Exception):
@@ -248,10 +274,10 @@ def _fast_json(raw: bytes) -> object:
         raise _Unproven  # an escape can hide a colon, or spell one key two ways
     try:
         obj = orjson.loads(raw)
-        again = orjson.dumps(obj)
+        colons = _colons(obj)
     except (orjson.JSONDecodeError, orjson.JSONEncodeError, RecursionError):
         raise _Unproven from None
-    if again.count(b":") != raw.count(b":"):
+    if colons != raw.count(b":"):
         raise _Unproven  # a repeated key dropped a member
     return obj
 
