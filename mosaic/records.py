@@ -244,10 +244,10 @@ def _column_lines(t: TensorColumns, indent: str, start: int, stop: int) -> list[
     cols = [c[start:stop] for c in (t.name, t.file, t.dtype, t.sha256, t.source)]
     shapes, nbytes = t.shape[start:stop], t.nbytes[start:stop]
     if not (
-        all(type(x) is str for x in chain.from_iterable(cols))
+        set(map(type, chain.from_iterable(cols))) <= {str}
         and not any(_ESCAPED.search("".join(c)) for c in cols)
-        and all(type(s) is tuple for s in shapes)
-        and all(type(d) is int for d in chain(nbytes, chain.from_iterable(set(shapes))))
+        and set(map(type, shapes)) <= {tuple}
+        and set(map(type, chain(nbytes, chain.from_iterable(set(shapes))))) <= {int}
     ):
         return None
     text = {s: "[" + ", ".join(map(str, s)) + "]" for s in set(shapes)}

@@ -159,30 +159,7 @@ def audit_mosaic(
         if name in actual and actual[name][1] != want:
             rep.fail("manifest", "SHA-256 differs from the manifest", file=name)
 
-    # --- index ↔ headers -----------------------------------------------------------------------
     rep.ran.append("index")
-    idx: object = None
-    if INDEX_NAME in fileset:
-        try:
-            idx = load_json(root / INDEX_NAME, "index")
-            wm = idx.get("weight_map") if isinstance(idx, dict) else None
-            if not isinstance(wm, dict):
-                raise FormatError(f"{INDEX_NAME}: no weight_map object")
-            for key, shard in wm.items():
-                if where_tensor.get(key) != shard:
-                    rep.fail("index", f"maps to {shard!r} but it is in {where_tensor.get(key)!r}", file=INDEX_NAME, tensor=key)
-            for key, shard in where_tensor.items():
-                if key not in wm:
-                    rep.fail("index", "tensor in a shard is missing from weight_map", file=shard, tensor=key)
-            total_size = (idx.get("metadata") or {}).get("total_size")
-            tensor_bytes = sum(h.data_size for h in headers.values())
-            if total_size != tensor_bytes:
-                rep.fail("index", f"metadata.total_size is {total_size}, the shards hold {tensor_bytes} tensor bytes", file=INDEX_NAME)
-        except (FormatError, AttributeError) as e:
-            rep.fail("index", str(e), file=INDEX_NAME)
-    elif len(headers) > 1:
-        rep.fail("index", "several shards but no index", file=INDEX_NAME)
-
     # --- PROVENANCE.json ------------------------------------------------------------------------
     rep.ran.append("provenance")
     rep.ran.append("tensors")
@@ -238,6 +215,30 @@ def audit_mosaic(
         if failed_checks:
             rep.fail("provenance", f"the build recorded failed checks: {', '.join(failed_checks)}", file=PROVENANCE_NAME)
 
+    # --- index ↔ headers (read after PROVENANCE.json: the two largest parses never overlap) -----------------------------------------------------------------------
+    idx: object = None
+    wm: object = None
+    if INDEX_NAME in fileset:
+        try:
+            idx = load_json(root / INDEX_NAME, "index")
+            wm = idx.get("weight_map") if isinstance(idx, dict) else None
+            if not isinstance(wm, dict):
+                raise FormatError(f"{INDEX_NAME}: no weight_map object")
+            for key, shard in wm.items():
+                if where_tensor.get(key) != shard:
+                    rep.fail("index", f"maps to {shard!r} but it is in {where_tensor.get(key)!r}", file=INDEX_NAME, tensor=key)
+            for key, shard in where_tensor.items():
+                if key not in wm:
+                    rep.fail("index", "tensor in a shard is missing from weight_map", file=shard, tensor=key)
+            total_size = (idx.get("metadata") or {}).get("total_size")
+            tensor_bytes = sum(h.data_size for h in headers.values())
+            if total_size != tensor_bytes:
+                rep.fail("index", f"metadata.total_size is {total_size}, the shards hold {tensor_bytes} tensor bytes", file=INDEX_NAME)
+        except (FormatError, AttributeError) as e:
+            rep.fail("index", str(e), file=INDEX_NAME)
+    elif len(headers) > 1:
+        rep.fail("index", "several shards but no index", file=INDEX_NAME)
+
     # --- configs and EXL3 loadability (only when the shards themselves are readable) ------------
     rep.ran.append("configs")
     rep.ran.append("exl3_loadable")
@@ -247,6 +248,7 @@ def audit_mosaic(
             analysis = analyze(open_checkpoint(root, headers=headers, index=idx))
         except (MosaicError, OSError) as e:
             rep.fail("configs", str(e))
+    idx = wm = None  # the weight map (151,000 entries) has been checked: let it go
     if analysis is not None:
         for p in analysis.problems:
             check = "configs" if p.startswith(("quantization_config.json", "config.json")) else "index" if p.startswith(("index", "shard file")) else "exl3_loadable"

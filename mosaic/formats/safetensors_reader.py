@@ -243,6 +243,8 @@ _WINDOW = 4 << 20
 _DIGITS = frozenset(b"0123456789")
 #: Containers longer than this are re-serialized a slice at a time for the colon count.
 _SLICE = 4096
+#: A top-level object of at most this many members is counted member by member.
+_FEW = 64
 
 
 def _colons(obj: object, top: bool = True) -> int:
@@ -251,9 +253,9 @@ def _colons(obj: object, top: bool = True) -> int:
     40 MB PROVENANCE.json is one long list of records under one member)."""
     if type(obj) is list and len(obj) > _SLICE:
         return sum(orjson.dumps(obj[i : i + _SLICE]).count(b":") for i in range(0, len(obj), _SLICE))
-    if type(obj) is dict and (top or len(obj) > _SLICE):
-        if top:
-            return len(obj) + "".join(obj).count(":") + sum(_colons(v, False) for v in obj.values())
+    if type(obj) is dict and top and len(obj) <= _FEW:
+        return len(obj) + "".join(obj).count(":") + sum(_colons(v, False) for v in obj.values())
+    if type(obj) is dict and len(obj) > _SLICE:
         items = list(obj.items())
         return sum(orjson.dumps(dict(items[i : i + _SLICE])).count(b":") for i in range(0, len(items), _SLICE))
     return orjson.dumps(obj).count(b":")
