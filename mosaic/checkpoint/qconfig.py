@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 from mosaic.checkpoint.jsonfile import parse_json, read_bytes
 from mosaic.errors import CheckpointError
-from mosaic.formats.safetensors_reader import TensorInfo, strict_json_loadb
+from mosaic.formats.safetensors_reader import TensorInfo, plain_json_text, strict_json_loadb
 
 WHERE = "quantization_config.json"
 
@@ -242,14 +242,18 @@ def member_batches(text: bytes, spans: Iterable[tuple[str, int, int]]) -> Iterat
     to the last one's end + ``}`` must be an object of exactly those members, in that order: one
     strict parse for up to a thousand entries instead of one each, and only a batch held at once."""
     ordered = sorted(spans, key=lambda s: s[1])
+    plain = plain_json_text(text)  # once for the text, not again for every batch
     i = 0
     while i < len(ordered):
         j = i + 1
         while j < len(ordered) and j - i < _BATCH and text[ordered[j - 1][2] : ordered[j][1]].strip(_JSON_SPACE) == b",":
             j += 1
         run = ordered[i:j]
+        piece = bytearray(b"{")
+        piece += memoryview(text)[run[0][1] : run[-1][2]]
+        piece += b"}"
         try:
-            obj = strict_json_loadb(b"".join((b"{", text[run[0][1] : run[-1][2]], b"}")))
+            obj = strict_json_loadb(piece, plain=plain)
         except (ValueError, RecursionError):
             obj = None
         if not isinstance(obj, dict) or list(obj) != [k for k, _, _ in run]:

@@ -265,14 +265,14 @@ class _Unproven(Exception):
     """The fast parse could not prove the document equal to the strict parse: take the slow path."""
 
 
-def _fast_json(raw: bytes) -> object:
+def _fast_json(raw: bytes | bytearray, plain: bool = False) -> object:
     """The strict parse of ``raw`` at C speed; raises :class:`_Unproven` when it cannot be proven
     equal to :func:`strict_json_loads` of the same text.
 
     The proof needs no walk of the parsed objects: orjson writes every member back with one colon
     and every string with its colons as they are (it never escapes one), so the colons of its
     output are exactly the members plus the colons inside the strings parsed."""
-    if b"\\" in raw or _has_long_integer(raw):
+    if not plain and (b"\\" in raw or _has_long_integer(raw)):
         raise _Unproven  # an escape can hide a colon, or spell one key two ways
     try:
         obj = orjson.loads(raw)
@@ -284,14 +284,22 @@ def _fast_json(raw: bytes) -> object:
     return obj
 
 
-def strict_json_loadb(raw: bytes) -> object:
+def strict_json_loadb(raw: bytes | bytearray, *, plain: bool = False) -> object:
     """:func:`strict_json_loads` of UTF-8 bytes: orjson with the duplicate-key proof, the exact slow
     path whenever the proof is not clean. Raises what :func:`strict_json_loads` raises, or
-    ``UnicodeDecodeError``."""
+    ``UnicodeDecodeError``. ``plain``: the caller has found no backslash and no integer of 19+
+    digits in a text this is a piece of (see :func:`plain_json_text`), so the piece is not scanned
+    again."""
     try:
-        return _fast_json(raw)
+        return _fast_json(raw, plain)
     except _Unproven:
-        return strict_json_loads(raw.decode("utf-8"))
+        return strict_json_loads(bytes(raw).decode("utf-8"))
+
+
+def plain_json_text(raw: bytes) -> bool:
+    """Whether a JSON text has neither a backslash escape nor an integer literal of 19+ digits: then
+    the colon-count proof alone decides the strict parse of it and of any piece of it."""
+    return b"\\" not in raw and not _has_long_integer(raw)
 
 
 def _decode_json(path: str, raw: bytes) -> dict[str, object]:
