@@ -426,3 +426,23 @@ def test_module_group_units_build(srcs, tmp_path: Path) -> None:
     assert res.report["chosen"] == [{"layer": 2, "donor": "q3"}, {"layer": 3, "donor": "q3"}]
     built = build(out, out=tmp_path / "built", jobs=1)
     assert shard_size(built.out_dir) == res.report["predicted_size"]
+
+
+def test_header_size_counts_escaped_and_non_ascii_names_as_the_writer_writes_them() -> None:
+    """Names with quotes, backslashes, control characters or non-ASCII letters: the counted header
+    length is the writer's, byte for byte, with and without __metadata__."""
+    from types import SimpleNamespace
+
+    from mosaic.formats.safetensors_reader import ShardHeader, TensorInfo
+    from mosaic.formats.safetensors_writer import encode_header
+
+    for names in (["a.b", "c.d"], ['q"uote', "back\\slash", "tab\there", "é.ü", "ctl\x01"]):
+        for metadata in (None, {"format": "pt", "k:é": "v\"x"}):
+            tensors = [TensorInfo(n, "F16" if i % 2 else "I16", (i + 1, 3 * i), 0, 0) for i, n in enumerate(names)]
+            header = ShardHeader("s", 0, 0, metadata, tuple(tensors))
+            model = SizeModel.__new__(SizeModel)
+            model.base = SimpleNamespace(ckpt=SimpleNamespace(headers={"s": header}))  # type: ignore[assignment]
+            model._fixed, model._shape_len = {}, {}
+            entries = [(t.shape, 2 * (t.shape[0] * t.shape[1])) for t in tensors]
+            want = encode_header([(t.name, t.dtype, s, n) for t, (s, n) in zip(tensors, entries)], metadata)
+            assert model._header_size("s", entries) == len(want)
