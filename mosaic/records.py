@@ -243,14 +243,18 @@ def _column_lines(t: TensorColumns, indent: str, start: int, stop: int) -> list[
     not of the plain shape the f-string is exact for."""
     cols = [c[start:stop] for c in (t.name, t.file, t.dtype, t.sha256, t.source)]
     shapes, nbytes = t.shape[start:stop], t.nbytes[start:stop]
+    try:
+        distinct = set(shapes)
+    except TypeError:  # a shape holding something unhashable: not the plain shape this is exact for
+        return None
     if not (
         set(map(type, chain.from_iterable(cols))) <= {str}
         and not any(_ESCAPED.search("".join(c)) for c in cols)
         and set(map(type, shapes)) <= {tuple}
-        and set(map(type, chain(nbytes, chain.from_iterable(set(shapes))))) <= {int}
+        and set(map(type, chain(nbytes, chain.from_iterable(distinct)))) <= {int}
     ):
         return None
-    text = {s: "[" + ", ".join(map(str, s)) + "]" for s in set(shapes)}
+    text = {s: "[" + ", ".join(map(str, s)) + "]" for s in distinct}
     return [
         f'{indent}{{"name": "{n}", "file": "{f}", "dtype": "{d}", "shape": {text[s]}, "nbytes": {b}, "sha256": "{h}", "source": "{o}"}}'
         for n, f, d, h, o, s, b in zip(*cols, shapes, nbytes)

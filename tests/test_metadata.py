@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from fractions import Fraction
 
 from mosaic.build import metadata
-from mosaic.checkpoint.qconfig import entry_spans, parse_span
+from mosaic.checkpoint.qconfig import entry_span_list, entry_spans, is_top_member, parse_span
 
 
-def _qconfig(bits: float, n: int, donor: bool = False) -> dict:
+def _qconfig(bits: float, n: int, donor: bool = False, odd: bool = True) -> dict:
     storage = {}
     for i in range(n):
         key = f"model.layers.{i}.mlp.down_proj"
@@ -18,7 +19,8 @@ def _qconfig(bits: float, n: int, donor: bool = False) -> dict:
             "quant_format": "exl3",
             "bits_per_weight": 3 if donor else 2,
         }
-    storage['odd "quoted" \\ key'] = {"stored_tensors": {}}
+    if odd:  # a key with escapes: such a text is never proved, so never spliced in place
+        storage['odd "quoted" \\ key'] = {"stored_tensors": {}}
     return {"quant_method": "exl3", "bits": bits, "calibration": {"rows": 250, "cols": 2048}, "tensor_storage": storage}
 
 
@@ -31,6 +33,10 @@ def test_entry_spans_find_every_member_exactly() -> None:
         assert parse_span(text, spans[key]) == (key, entry)
 
 
+def _top(text: bytes):  # type: ignore[no-untyped-def]
+    return lambda span: is_top_member(text, [(s.start, s.end) for s in entry_span_list(text)], span, "bits")
+
+
 def _splice(btext: bytes, base: dict, dtext: bytes, replaced: dict, rate: Fraction, spans: bool = True):  # type: ignore[no-untyped-def]
     donor = json.loads(dtext)
     found = entry_spans(dtext)
@@ -40,13 +46,13 @@ def _splice(btext: bytes, base: dict, dtext: bytes, replaced: dict, rate: Fracti
     expected = metadata.expected_qconfig(base, {"d": donor}, replaced, rate)
     out = metadata.new_qconfig(
         btext, entry_spans(btext) if spans else None, {k: m for k, (m, _) in cut.items()} if cut else None,
-        (base["bits"], expected["bits"]), lambda: expected,
+        (base["bits"], expected["bits"]), lambda: expected, _top(btext),
     )
     return out, expected
 
 
 def test_qconfig_spliced_keeps_untouched_bytes() -> None:
-    base, donor = _qconfig(2.0, 6), _qconfig(3.0, 6, donor=True)
+    base, donor = _qconfig(2.0, 6, odd=False), _qconfig(3.0, 6, donor=True)
     btext, dtext = json.dumps(base, indent=4).encode(), json.dumps(donor, indent=4).encode()
     replaced = {"model.layers.2.mlp.down_proj": "d", "model.layers.4.mlp.down_proj": "d"}
     spliced, expected = _splice(btext, base, dtext, replaced, Fraction(9, 4))
@@ -79,10 +85,28 @@ def test_qconfig_in_another_layout_is_written_anew() -> None:
 
 
 def test_a_bits_line_that_is_not_the_top_level_member_is_not_patched() -> None:
-    base = _qconfig(2.0, 2)
+    base = _qconfig(2.0, 2, odd=False)
+    base.pop("calibration")
     text = json.dumps(base, indent=4).encode().replace(b'    "bits": 2.0', b'    "bits": 7', 1)
-    out = metadata.new_qconfig(text, entry_spans(text), {}, (2.0, 2.5), lambda: {"anew": True})
+    out = metadata.new_qconfig(text, entry_spans(text), {}, (2.0, 2.5), lambda: {"anew": True}, _top(text))
     assert out == metadata.dumps({"anew": True})
+    once = json.dumps(base, indent=4).encode()
+    assert b'    "bits": 2.5,' in bytes(metadata.new_qconfig(once, entry_spans(once), {}, (2.0, 2.5), lambda: {"anew": True}, _top(once)))
+    # without the proof of where it sits, the line is not patched
+    assert metadata.new_qconfig(once, entry_spans(once), {}, (2.0, 2.5), lambda: {"anew": True}) == metadata.dumps({"anew": True})
+    # a hand-formatted look-alike with the same value, in another object (before the member) or in an
+    # entry (after it): never patched in the member's place
+    for nested, anew in (
+        ({"extra": {"bits": 2.0}, **base}, True),
+        ({**base, "tensor_storage": {**base["tensor_storage"], "model.layers.0.mlp.down_proj": {"bits": 2.0, "stored_tensors": {}}}}, False),
+    ):
+        text = re.sub(rb'\n {8,}"bits": 2\.0', b'\n    "bits": 2.0', json.dumps(nested, indent=4).encode(), count=1)
+        assert json.loads(text) == nested and text.count(b'\n    "bits": 2.0') == 2
+        out = metadata.new_qconfig(text, entry_spans(text), {}, (2.0, 2.5), lambda: {"anew": True}, _top(text))
+        if anew:
+            assert out == metadata.dumps({"anew": True})
+        else:
+            assert json.loads(bytes(out)) == {**nested, "bits": 2.5}  # the member, found first, and only it
 
 
 def test_index_total_size_patched_in_place() -> None:
@@ -106,6 +130,7 @@ def test_index_patched_only_where_the_text_proves_the_member() -> None:
         {"metadata": {"total_size": 7.0}, "weight_map": wm},  # not an integer
         {"metadata": {"nested": {"total_size": 7}}, "weight_map": wm},  # no member at all
         {"weight_map": wm},
+        {"metadata": {"total_size": -0}, "extra": {"total_size": 0}, "weight_map": wm},  # -0 is 0, spelled otherwise
     ]
     for idx in cases:
         text = json.dumps(idx, indent=2).encode()

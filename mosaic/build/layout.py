@@ -21,7 +21,7 @@ from mosaic.build.selection import Selection
 from mosaic.checkpoint.census import Analysis
 from mosaic.checkpoint.exl3 import Module, exact_rate, is_decoder_linear, part_rates
 from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, Checkpoint, bulk
-from mosaic.checkpoint.qconfig import entries_of
+from mosaic.checkpoint.qconfig import entries_of, is_top_member
 from mosaic.errors import SourceError
 from mosaic.formats.safetensors_reader import strict_json_loadb
 from mosaic.formats.safetensors_writer import OutTensor, ShardLayout, layout_shard
@@ -213,7 +213,12 @@ def _qconfig(
 
     spans = bck.entry_spans(replaced)
     bits = (top["bits"], new_bits) if new_bits is not None else None
-    return metadata.new_qconfig(base_text, spans, members, bits, whole), set(donors_used)
+    off = bck.storage_offsets
+
+    def top_level(span: tuple[int, int]) -> bool:
+        return off is not None and is_top_member(base_text, zip(off[0::2], off[1::2]), span, "bits")
+
+    return metadata.new_qconfig(base_text, spans, members, bits, whole, top_level), set(donors_used)
 
 
 @bulk()

@@ -103,7 +103,7 @@ class SplicedText:
         return b"".join(self.chunks())
 
 
-_TOTAL_RE = re.compile(rb'"total_size"\s*:\s*(\d+)')
+_TOTAL_RE = re.compile(rb'"total_size"\s*:\s*(-?\d+)')
 
 
 def new_index(base_text: bytes, base_meta: Mapping[str, object], total_size: int) -> bytes | SplicedText:
@@ -186,6 +186,7 @@ def new_qconfig(
     members: Mapping[str, bytes] | None,
     bits: tuple[object, object] | None,
     whole: Callable[[], dict],
+    top_level: Callable[[tuple[int, int]], bool] | None = None,
 ) -> bytes | SplicedText:
     """The bytes of the mosaic's quantization_config.json.
 
@@ -194,7 +195,9 @@ def new_qconfig(
     value, the mosaic's) is patched in the base's text, so that everything else stays byte-identical
     and 48 MB are neither parsed nor re-serialized. ``base_spans`` are the base text's entry spans,
     proved to be its tensor_storage members when its census read it (None: not proved). When the
-    text does not allow the splice, the document ``whole()`` is written anew."""
+    text does not allow the splice, the document ``whole()`` is written anew. ``top_level`` proves
+    that the ``"bits"`` line found is the top-level member (without it, ``bits`` is not patched in
+    place)."""
     if base_spans is None or members is None:
         return dumps(whole())
     pieces: list[tuple[int, int, bytes]] = []
@@ -205,8 +208,13 @@ def new_qconfig(
         pieces.append((b[0], b[1], member))
     if bits is not None:
         m = _BITS_RE.search(base_text)
-        if m is None or parse_span(base_text, (m.start(), m.end())) != ("bits", bits[0]):
-            return dumps(whole())  # not the top-level member it looked like
+        if (
+            m is None
+            or parse_span(base_text, (m.start(), m.end())) != ("bits", bits[0])
+            or top_level is None
+            or not top_level((m.start(), m.end()))
+        ):
+            return dumps(whole())  # not proved to be the top-level member
         pieces.append((m.start(), m.end(), b'    "bits": ' + json.dumps(bits[1]).encode()))
     pieces.sort()
     if all(pieces[i][1] <= pieces[i + 1][0] for i in range(len(pieces) - 1)):

@@ -176,6 +176,33 @@ def prove_spans(text: bytes) -> tuple[dict, list[Span]] | None:
     return {k: v for k, v in doc.items() if k != "tensor_storage"}, spans
 
 
+def is_top_member(text: bytes, entries: Iterable[tuple[int, int]], span: tuple[int, int], key: str) -> bool:
+    """Whether ``text[span]`` (one ``"key": value`` member, outside every proved entry span in
+    ``entries``) is a member of the document's top-level object, not a look-alike nested elsewhere.
+
+    The skeleton with every entry replaced by a numbered placeholder member and this member's value
+    by a marker string (which a text without backslashes cannot contain) must parse strictly with
+    the marker at the top level under ``key``."""
+    if b"\\" in text:
+        return False
+    pieces: list[bytes | memoryview] = []
+    view = memoryview(text)
+    pos = 0
+    cuts = sorted([(a, e, b'"\\u0000%d": 0' % i) for i, (a, e) in enumerate(entries)])
+    cuts.append((span[0], span[1], b'%s: "\\u0001"' % json.dumps(key).encode()))
+    for a, e, repl in sorted(cuts):
+        if a < pos:
+            return False
+        pieces += (view[pos:a], repl)
+        pos = e
+    pieces.append(view[pos:])
+    try:
+        doc = strict_json_loadb(b"".join(pieces))
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get(key) == "\x01"
+
+
 class EntrySummary(NamedTuple):
     """What the census keeps of one tensor_storage entry: its stored tensors' names (the headers'
     own string objects), the disagreements of their dtype, shape and n_bytes with the headers, and
