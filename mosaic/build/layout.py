@@ -148,10 +148,11 @@ def layer_mass_rate(result: dict[str, Module], selection: Selection, rates: dict
     return total / len(weights)
 
 
-def _from_file(data: bytes | metadata.SplicedText, path: Path) -> bytes | metadata.SplicedText:
-    """A spliced base text, to be read again from the base's file when written (proved the same
-    bytes by digest): the plan holds its cuts, not 64 MB of base text, through the splice."""
-    return data.from_file(path) if isinstance(data, metadata.SplicedText) else data
+def _from_file(data: bytes | metadata.SplicedText, ck: Checkpoint, name: str) -> bytes | metadata.SplicedText:
+    """A spliced base text (one :meth:`Checkpoint.read_again` proved to be the bytes its census
+    read), to be read again from the base's file when written: the plan holds its cuts, not 64 MB of
+    base text, through the splice."""
+    return data.from_file(ck.root / name, ck.digests[name]) if isinstance(data, metadata.SplicedText) else data
 
 
 def _qconfig(
@@ -271,14 +272,14 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
 
     generated: dict[str, bytes | metadata.SplicedText] = {RECIPE_NAME: recipe.raw}
     if bck.index is not None:
-        generated[INDEX_NAME] = _from_file(metadata.new_index(bck.read_again(INDEX_NAME), bck.index, tensor_bytes), bck.root / INDEX_NAME)
+        generated[INDEX_NAME] = _from_file(metadata.new_index(bck.read_again(INDEX_NAME), bck.index, tensor_bytes), bck, INDEX_NAME)
         used["base"].add(INDEX_NAME)
     if bck.config is not None:
         generated[CONFIG_NAME] = metadata.new_config(bck.config, rate)
         used["base"].add(CONFIG_NAME)
     if bck.qconfig is not None:
         qconfig, donors_used = _qconfig(bck, sources, selection, plan_tensors, rate)
-        generated[QCONFIG_NAME] = _from_file(qconfig, bck.root / QCONFIG_NAME)
+        generated[QCONFIG_NAME] = _from_file(qconfig, bck, QCONFIG_NAME)
         used["base"].add(QCONFIG_NAME)
         for did in donors_used:
             used[did].add(QCONFIG_NAME)

@@ -53,11 +53,12 @@ class SplicedText:
     def __post_init__(self) -> None:
         if self.text is not None:
             object.__setattr__(self, "source_size", len(self.text))
-            object.__setattr__(self, "digest", hashlib.sha256(self.text).hexdigest())
 
-    def from_file(self, path: Path) -> SplicedText:
-        """The same bytes, the source text to be read again from ``path`` when written."""
-        return SplicedText(self.cuts, None, path, self.digest, self.source_size)
+    def from_file(self, path: Path, digest: str | None = None) -> SplicedText:
+        """The same bytes, the source text to be read again from ``path`` when written; ``digest``
+        is the text's SHA-256 when the caller already has it (computed here otherwise)."""
+        assert self.text is not None
+        return SplicedText(self.cuts, None, path, digest or hashlib.sha256(self.text).hexdigest(), self.source_size)
 
     def __len__(self) -> int:
         return self.source_size + sum(len(r) - (e - a) for a, e, r in self.cuts)
