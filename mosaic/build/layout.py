@@ -10,8 +10,10 @@ that those agree with the planned headers, and computes the mosaic's rates. Noth
 from __future__ import annotations
 
 import fnmatch
+import operator
 from dataclasses import dataclass, field
 from fractions import Fraction
+from itertools import repeat
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,6 +32,9 @@ from mosaic.records import CARD_NAME, MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAM
 
 #: Files a mosaic writes itself; the base's own copies describe the base, not the mosaic.
 OWN_FILES = frozenset({RECIPE_NAME, PROVENANCE_NAME, MANIFEST_NAME, CARD_NAME, INDEX_NAME, CONFIG_NAME, QCONFIG_NAME})
+
+
+_NAME, _DTYPE, _SHAPE, _BEGIN, _END = (operator.attrgetter(f) for f in ("name", "dtype", "shape", "begin", "end"))
 
 
 class PlannedTensor(NamedTuple):
@@ -233,11 +238,15 @@ def make_plan(recipe: Recipe, sources: dict[str, Analysis], selection: Selection
     for shard in bck.shards:
         h = bck.headers[shard]
         used["base"].add(shard)
-        if not any(t.name in selection.donor_of for t in h.tensors):
-            tensors = [
-                PlannedTensor(t.name, t.dtype, t.shape, t.nbytes, h.data_start + t.begin, "base", shard, h.data_start + t.begin)
-                for t in h.tensors
-            ]
+        names = list(map(_NAME, h.tensors))
+        if not any(map(selection.donor_of.__contains__, names)):
+            # an untouched shard: its tensors as they are, built a column at a time (most of the model)
+            n = len(names)
+            starts = [h.data_start + b for b in map(_BEGIN, h.tensors)]
+            sizes = list(map(operator.sub, map(_END, h.tensors), map(_BEGIN, h.tensors)))
+            columns = zip(names, map(_DTYPE, h.tensors), map(_SHAPE, h.tensors), sizes, starts,
+                          repeat("base", n), repeat(shard, n), starts)
+            tensors = list(map(tuple.__new__, repeat(PlannedTensor), columns))
             shards.append(ShardPlan(shard, tensors, h.file_size, copy_of=bck.root / shard))
             continue
         outs: list[OutTensor] = []

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 from fractions import Fraction
+from itertools import chain, repeat
+from operator import attrgetter
 from pathlib import Path
 
 from mosaic import __version__
@@ -77,16 +79,16 @@ def build_provenance(plan: BuildPlan, res: SpliceResult, unverified: dict[str, s
         sources[sid] = {**spec.as_record(), "rate": _rate(a.nominal_rate), "files": files}
         if sid == "base" and (lineage := card_base_model(a.ckpt.root)):
             sources[sid]["base_model"] = lineage
-    planned = [t for s in plan.shards for t in s.tensors]
-    digest = res.tensors
+    planned = list(chain.from_iterable(s.tensors for s in plan.shards))
+    names = list(map(attrgetter("name"), planned))
     tensors = TensorColumns(
-        name=[t.name for t in planned],
-        file=[s.name for s in plan.shards for _ in s.tensors],
-        dtype=[t.dtype for t in planned],
-        shape=[t.shape for t in planned],
-        nbytes=[t.nbytes for t in planned],
-        sha256=[digest[t.name] for t in planned],
-        source=[t.source for t in planned],
+        name=names,
+        file=list(chain.from_iterable(repeat(s.name, len(s.tensors)) for s in plan.shards)),
+        dtype=list(map(attrgetter("dtype"), planned)),
+        shape=list(map(attrgetter("shape"), planned)),
+        nbytes=list(map(attrgetter("nbytes"), planned)),
+        sha256=list(map(res.tensors.__getitem__, names)),
+        source=list(map(attrgetter("source"), planned)),
     )
     del planned
     selection = []
