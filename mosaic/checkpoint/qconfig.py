@@ -26,7 +26,7 @@ import operator
 import re
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
-from itertools import repeat
+from itertools import chain, islice, repeat
 from pathlib import Path
 from typing import NamedTuple
 
@@ -255,6 +255,39 @@ def summarize(key: str, entry: object, info: Mapping[str, TensorInfo], _want: di
     )
 
 
+_E_NAME, _E_DTYPE, _E_SHAPE, _E_BEGIN, _E_END = (operator.attrgetter(f) for f in ("name", "dtype", "shape", "begin", "end"))
+_E_FIELDS = tuple(operator.methodcaller("get", f) for f in ("bits_per_weight", "mul1_multiplier", "mcg_multiplier"))
+
+
+def summarize_all(items: list[tuple[str, object]], info: Mapping[str, TensorInfo], want: dict) -> list[EntrySummary]:
+    """:func:`summarize` of many entries, the common case (every entry an object of stored tensors
+    that are in the headers and agree with them) decided a column at a time over all their stored
+    tensors; anything else takes :func:`summarize` entry by entry, which has the last word."""
+    entries = [e for _, e in items]
+    if set(map(type, entries)) != {dict}:
+        return [summarize(k, e, info, want) for k, e in items]
+    stored = list(map(operator.methodcaller("get", "stored_tensors"), entries))
+    if set(map(type, stored)) != {dict}:
+        return [summarize(k, e, info, want) for k, e in items]
+    names = list(chain.from_iterable(stored))
+    infos = list(map(info.get, names))
+    if None in infos:
+        return [summarize(k, e, info, want) for k, e in items]
+    # (dtype, shape, size) of each stored tensor's header entry, and the record that agrees with it
+    kinds = list(zip(map(_E_DTYPE, infos), map(_E_SHAPE, infos), map(operator.sub, map(_E_END, infos), map(_E_BEGIN, infos))))
+    distinct = set(kinds)
+    for k in distinct - want.keys():
+        want[k] = {"shape": list(k[1]), "n_bytes": k[2], "dtype": ST_TO_TORCH.get(k[0])}
+    records = list(chain.from_iterable(map(dict.values, stored)))
+    if records != list(map(want.__getitem__, kinds)) or any(want[k]["dtype"] is None for k in distinct):
+        return [summarize(k, e, info, want) for k, e in items]
+    header_names = iter(list(map(_E_NAME, infos)))
+    per_entry = [tuple(islice(header_names, n)) for n in map(len, stored)]
+    n = len(items)
+    columns = zip([k for k, _ in items], per_entry, repeat((), n), *(map(f, entries) for f in _E_FIELDS))
+    return list(map(tuple.__new__, repeat(EntrySummary), columns))
+
+
 #: Entries parsed together (about 1 MB of text at GLM-5.3's entry size)
 _BATCH = 1024
 _JSON_SPACE = b" \t\n\r"
@@ -323,7 +356,7 @@ def read_qconfig(path: Path, info: Mapping[str, TensorInfo]) -> QConfigRead:
         for batch in member_batches(text, ((s.key, s.start, s.end) for s in spans)):
             if batch is None:
                 break
-            entries += [summarize(k, v, info, want) for k, v in batch]
+            entries += summarize_all(batch, info, want)
         else:
             offsets = array("q", (x for s in spans for x in (s.start, s.end)))
             return QConfigRead(top, entries, digest, offsets)
@@ -334,7 +367,7 @@ def read_qconfig(path: Path, info: Mapping[str, TensorInfo]) -> QConfigRead:
     top = {k: v for k, v in q.items() if k != "tensor_storage"}
     if not isinstance(storage, dict):
         return QConfigRead(top, None, digest, None)
-    return QConfigRead(top, [summarize(k, e, info, want) for k, e in storage.items()], digest, None)
+    return QConfigRead(top, summarize_all(list(storage.items()), info, want), digest, None)
 
 
 def entries_of(text: bytes, keys: Iterable[str], spans: Mapping[str, tuple[int, int]] | None, path: Path) -> dict[str, object]:
