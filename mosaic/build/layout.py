@@ -188,7 +188,12 @@ def _qconfig(
             # the donor's entries are cut out by the spans its census proved (a donor opened for
             # some modules holds them too: the cuts must be those), else parsed from the whole text
             spans = ck.entry_spans(keys)
-            cut = cut_members(text, spans) if spans is not None and len(spans) == len(keys) else None
+            if spans is not None and len(spans) == len(keys) and ck.partial_spans is not None and isinstance(held, dict):
+                # held entries were parsed from exactly these proved spans of this very text
+                # (read_again proved the bytes): cut the members without parsing them again
+                cut = {k: (text[a:e], held[k]) for k, (a, e) in spans.items() if k in held} if all(k in held for k in keys) else None
+            else:
+                cut = cut_members(text, spans) if spans is not None and len(spans) == len(keys) else None
             if cut is not None and (not isinstance(held, dict) or all(held.get(k) == cut[k][1] for k in keys)):
                 for k in keys:
                     entries[k] = cut[k][1]
