@@ -504,3 +504,27 @@ def test_a_json_file_changed_after_it_was_read_is_not_spliced(demo_base, copy_of
         ck.read_again(QCONFIG_NAME)
     with pytest.raises(CheckpointError, match="changed since it was read"):
         ck.read_again(ck.shards[0])  # never parsed: nothing recorded to prove it by
+
+
+@pytest.mark.parametrize("minified", [("base",), ("donor",), ("base", "donor")])
+def test_quantization_configs_in_another_layout_build_the_same_document(sources, copy_of, tmp_path: Path, minified) -> None:  # type: ignore[no-untyped-def]
+    """A base or donor whose quantization_config.json is not in exllamav3's layout (minified: no
+    entry spans to prove) is parsed whole; the mosaic's document is the same as from the indent=4
+    texts, only written anew, and the mosaic audits clean."""
+    from mosaic.audit.run import audit
+
+    base, donor = sources
+    ref = build(write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path)), out=tmp_path / "ref", jobs=1).out_dir
+    folders = {"base": base, "donor": donor}
+    for which in minified:
+        folders[which] = copy_of(folders[which], which)
+        q = folders[which] / "quantization_config.json"
+        q.write_text(json.dumps(json.loads(q.read_text()), separators=(",", ":")))
+    at = tmp_path / "r2"
+    at.mkdir()
+    out = build(write_recipe(at, recipe_doc(folders["base"], folders["donor"], at=at)), out=tmp_path / "out", jobs=1).out_dir
+    got, want = (json.loads((p / "quantization_config.json").read_bytes()) for p in (out, ref))
+    assert got == want
+    if "base" not in minified:  # the base's text is spliced as before: the same bytes
+        assert (out / "quantization_config.json").read_bytes() == (ref / "quantization_config.json").read_bytes()
+    assert audit(out).ok

@@ -23,7 +23,7 @@ from mosaic.build.selection import Selection
 from mosaic.checkpoint.census import Analysis
 from mosaic.checkpoint.exl3 import Module, exact_rate, is_decoder_linear, part_rates
 from mosaic.checkpoint.folder import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, Checkpoint, bulk
-from mosaic.checkpoint.qconfig import entries_of, is_top_member
+from mosaic.checkpoint.qconfig import entries_of, is_top_member, parse_span
 from mosaic.errors import SourceError
 from mosaic.formats.safetensors_reader import strict_json_loadb
 from mosaic.formats.safetensors_writer import OutTensor, ShardLayout, layout_shard
@@ -177,11 +177,15 @@ def _qconfig(
             if name in donor_of:
                 replaced[e.key] = donor_of[name]
     donors_used = sorted(set(replaced.values()))
-    entries: dict[str, object] = {}
-    members: dict[str, bytes] | None = {}
+    # what each replaced entry becomes: its member text cut from the donor's text (the entry itself
+    # is checked, then let go: the text is all the writer needs), or, for a donor whose text cannot
+    # be cut, the entry (the document is then written anew)
+    cuts: dict[str, bytes] = {}
+    uncut: dict[str, object] = {}
     for did in donors_used:
         ck = sources[did].ckpt
         keys = [k for k, d in replaced.items() if d == did]
+        entries: dict[str, object] = {}
         if ck.qconfig is not None:
             text = ck.read_again(QCONFIG_NAME)
             held = ck.qconfig.get("tensor_storage")
@@ -196,13 +200,10 @@ def _qconfig(
                 cut = cut_members(text, spans) if spans is not None and len(spans) == len(keys) else None
             if cut is not None and (not isinstance(held, dict) or all(held.get(k) == cut[k][1] for k in keys)):
                 for k in keys:
-                    entries[k] = cut[k][1]
-                    if members is not None:
-                        members[k] = cut[k][0]
+                    cuts[k], entries[k] = cut[k]
             else:
-                members = None
-                found = {k: held[k] for k in keys if k in held} if isinstance(held, dict) else entries_of(text, keys, None, ck.root / QCONFIG_NAME)
-                entries.update(found)
+                entries = {k: held[k] for k in keys if k in held} if isinstance(held, dict) else entries_of(text, keys, None, ck.root / QCONFIG_NAME)
+                uncut.update(entries)
             del text, cut
         for k in keys:
             if k not in entries:
@@ -210,9 +211,11 @@ def _qconfig(
                     f"donor {did!r}: quantization_config.json has no tensor_storage entry for {k}, "
                     "so the mosaic's entry cannot be taken from it"
                 )
-    bad = metadata.storage_mismatches({"tensor_storage": entries}, plan_tensors)
-    if bad:
-        raise SourceError(f"quantization_config.json would disagree with the output headers: {bad[0]}")
+        bad = metadata.storage_mismatches({"tensor_storage": entries}, plan_tensors)
+        if bad:
+            raise SourceError(f"quantization_config.json would disagree with the output headers: {bad[0]}")
+        del entries
+    members = cuts if not uncut else None
     top = bck.qconfig or {}
     new_bits = metadata.exl3_bits(rate) if rate is not None and "bits" in top else None
     base_text = bck.read_again(QCONFIG_NAME)
@@ -220,6 +223,7 @@ def _qconfig(
     def whole() -> dict:
         full = strict_json_loadb(base_text)
         assert isinstance(full, dict)
+        entries = {**{k: parse_span(m, (0, len(m)))[1] for k, m in cuts.items()}, **uncut}  # type: ignore[index]
         return metadata.expected_qconfig(full, {did: {"tensor_storage": entries} for did in donors_used}, replaced, rate)
 
     spans = bck.entry_spans(replaced)
