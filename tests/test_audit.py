@@ -365,3 +365,19 @@ def test_an_overflowing_number_in_provenance_is_a_failure_not_a_traceback(mosaic
     r = CliRunner().invoke(main, ["audit", str(mosaic)])
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert any(c == "provenance" for c, _, _ in failures(mosaic))
+
+
+def test_an_empty_tensor_list_names_every_tensor_it_leaves_out(mosaic: Path) -> None:
+    """PROVENANCE.json with "tensors": [] (valid for the schema): every shard tensor is reported as
+    missing from it, one failure each."""
+    from mosaic.records import dumps
+
+    m = mosaic
+    p = m / "PROVENANCE.json"
+    doc = json.loads(p.read_bytes())
+    n = len(doc["tensors"])
+    doc["tensors"] = []
+    p.write_bytes(dumps(doc))
+    rep = audit(m)
+    missing = [f for f in rep.failures if f.check == "tensors" and "not in PROVENANCE.json" in f.detail]
+    assert len(missing) == n and not rep.ok

@@ -528,3 +528,28 @@ def test_quantization_configs_in_another_layout_build_the_same_document(sources,
     if "base" not in minified:  # the base's text is spliced as before: the same bytes
         assert (out / "quantization_config.json").read_bytes() == (ref / "quantization_config.json").read_bytes()
     assert audit(out).ok
+
+
+def test_a_donor_entry_span_holding_two_members_is_never_spliced(sources, copy_of, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A donor text whose entry, by its lines, runs on into a second member ("zz.extra"): valid
+    JSON, but the span is not one member. The mosaic takes the entry the whole parse gives, and
+    nothing of the member that rode along."""
+    from mosaic.audit.run import audit
+    from mosaic.checkpoint.qconfig import entry_span_list
+
+    base, donor = sources
+    donor = copy_of(donor, "donor")
+    q = donor / "quantization_config.json"
+    text = q.read_bytes()
+    span = next(s for s in entry_span_list(text) if ".layers.4.mlp.experts." in s.key)
+    entry = text[span.start : span.end]
+    assert entry.endswith(b"\n        }")
+    forged = entry[: -len(b"\n        }")] + b'\n            }, "zz.extra": {\n            "bits_per_weight": 9\n        }'
+    q.write_bytes(text[: span.start] + forged + text[span.end :])
+    whole = json.loads(q.read_bytes())
+    assert "zz.extra" in whole["tensor_storage"] and span.key in whole["tensor_storage"]
+    out = build(write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path)), out=tmp_path / "out", jobs=1).out_dir
+    got = json.loads((out / "quantization_config.json").read_bytes())
+    assert "zz.extra" not in got["tensor_storage"]
+    assert got["tensor_storage"][span.key] == whole["tensor_storage"][span.key]
+    assert audit(out).ok

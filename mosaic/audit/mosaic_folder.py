@@ -218,8 +218,9 @@ def audit_mosaic(
             if name not in fileset:
                 rep.fail("provenance", "in PROVENANCE.json files but missing from the folder", file=name)
         seen: set[str] = set()
-        records = doc["tensors"] if not _records_agree(doc["tensors"], where_tensor, headers, tensor_digest) else []
-        if not records:
+        agree = _records_agree(doc["tensors"], where_tensor, headers, tensor_digest)
+        records = [] if agree else doc["tensors"]
+        if agree:
             seen = set(where_tensor)  # every record agrees: each shard tensor is listed once
         for t in records:
             n = t["name"]

@@ -223,7 +223,12 @@ def _qconfig(
     def whole() -> dict:
         full = strict_json_loadb(base_text)
         assert isinstance(full, dict)
-        entries = {**{k: parse_span(m, (0, len(m)))[1] for k, m in cuts.items()}, **uncut}  # type: ignore[index]
+        entries = dict(uncut)
+        for k, m in cuts.items():
+            kv = parse_span(m, (0, len(m)))
+            if kv is None or kv[0] != k:  # every cut was checked to be its member when it was made
+                raise SourceError(f"quantization_config.json: the entry cut for {k} is not one member")
+            entries[k] = kv[1]
         return metadata.expected_qconfig(full, {did: {"tensor_storage": entries} for did in donors_used}, replaced, rate)
 
     spans = bck.entry_spans(replaced)

@@ -28,7 +28,7 @@ from mosaic.build.splice import SpliceResult, splice
 from mosaic.build.stream import check_markers, read_plan_ranges
 from mosaic.card import render_card
 from mosaic.checkpoint.census import Analysis, analyze
-from mosaic.checkpoint.folder import open_checkpoint
+from mosaic.checkpoint.folder import bulk, open_checkpoint
 from mosaic.errors import OutputError, RecipeError, SourceError
 from mosaic.faults import point as fault_point
 from mosaic.gguf_sources import is_gguf_recipe
@@ -99,12 +99,13 @@ def plan_build(recipe: Recipe, *, streamed: dict[str, PartialSnapshot] | None = 
             folders[sid] = folder
         else:
             folders[sid] = resolve_source(spec, recipe.folder)
-    base = _census("base", recipe.base, folders["base"], headers_only="base" in remote)
-    picks = pick(recipe, base)
-    needs = donor_modules(recipe, picks)
-    donors = {did: _census(did, spec, folders[did], needs[did], headers_only=did in remote) for did, spec in recipe.donors.items()}
-    selection = select(recipe, base, donors, picks)
-    return make_plan(recipe, {"base": base, **donors}, selection)
+    with bulk():  # local metadata only from here (a streamed source's headers are on disk now)
+        base = _census("base", recipe.base, folders["base"], headers_only="base" in remote)
+        picks = pick(recipe, base)
+        needs = donor_modules(recipe, picks)
+        donors = {did: _census(did, spec, folders[did], needs[did], headers_only=did in remote) for did, spec in recipe.donors.items()}
+        selection = select(recipe, base, donors, picks)
+        return make_plan(recipe, {"base": base, **donors}, selection)
 
 
 def _verified_digests(recipe: Recipe, streamed: dict[str, PartialSnapshot]) -> dict[str, dict[str, str]]:
@@ -255,8 +256,11 @@ def build(
                 if streamed:
                     read_plan_ranges(plan, streamed, jobs=max(jobs, 8), progress=progress)
                     check_markers(plan, streamed)
-                res = splice(plan, tmp, jobs=jobs, link=link, progress=progress, known=_verified_digests(recipe, streamed))
-                doc = _finish(plan, res, tmp, unverified={sid: set(s.unverified()) for sid, s in streamed.items()})
+                # no hub traffic from here on: the collector stays paused while 151,000 digests and
+                # records are made (each full collection would walk the whole plan again)
+                with bulk():
+                    res = splice(plan, tmp, jobs=jobs, link=link, progress=progress, known=_verified_digests(recipe, streamed))
+                    doc = _finish(plan, res, tmp, unverified={sid: set(s.unverified()) for sid, s in streamed.items()})
             _fsync_dir(tmp)
             fault_point("rename")
             if out_dir.exists():

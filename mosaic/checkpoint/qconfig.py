@@ -393,4 +393,7 @@ def read_partial(path: Path, keys: set[str]) -> tuple[dict, str, dict[str, tuple
     digest = hashlib.sha256(text).hexdigest()
     proved = prove_spans(text)
     spans = {s.key: (s.start, s.end) for s in proved[1] if s.key in keys} if proved is not None else None
-    return {"tensor_storage": entries_of(text, keys, spans, path)}, digest, spans
+    found = parse_members(text, ((k, *span) for k, span in spans.items())) if spans is not None else None
+    if found is None:  # not proved, or a span that is not exactly its member: the whole text decides
+        return {"tensor_storage": entries_of(text, keys, None, path)}, digest, None
+    return {"tensor_storage": dict(found)}, digest, spans
