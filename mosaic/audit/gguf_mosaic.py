@@ -15,7 +15,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from mosaic.audit.report import AuditReport, NotAMosaic, check_manifest, walk_folder
+from mosaic.audit.report import AuditReport, NotAMosaic, check_manifest, sources_recipe, walk_folder
 from mosaic.checkpoint.folder import load_json
 from mosaic.checkpoint.gguf_model import SPLIT_KEYS, GGUFModel, split_name
 from mosaic.errors import MosaicError, RecipeError
@@ -25,7 +25,7 @@ from mosaic.gguf_select import SelectionProblem, assign
 from mosaic.gguf_sources import open_gguf_source
 from mosaic.hashing import digest_file, parallel_map
 from mosaic.progress import SILENT, Reporter
-from mosaic.recipe import Recipe, load_recipe, parse_recipe
+from mosaic.recipe import Recipe, parse_recipe
 from mosaic.records import (
     CARD_NAME,
     MANIFEST_NAME,
@@ -255,18 +255,10 @@ def _recipe_checks(rep: AuditReport, root: Path, doc: dict, first: GGUFFile | No
 def _audit_sources(rep: AuditReport, doc: dict, recipe: Recipe | None, sources: bool | str | Path,
                    tensor_digest: dict[str, str], first: GGUFFile | None, jobs: int, progress: Reporter) -> None:
     """Every output tensor against its source tensor; source files and base metadata against the record."""
-    if sources is not True:
-        try:
-            given = load_recipe(sources)  # type: ignore[arg-type]
-        except RecipeError as e:
-            rep.fail("sources", str(e))
-            return
-        if recipe is not None and given.raw != recipe.raw:
-            rep.fail("sources", f"{sources} differs from the mosaic's {RECIPE_NAME}")
-            return
-        recipe, base_dir = given, given.folder
-    else:
-        base_dir = Path.cwd()
+    resolved = sources_recipe(rep, recipe, sources)
+    if resolved is None:
+        return
+    recipe, base_dir = resolved
     if recipe is None:
         rep.fail("sources", "no valid recipe to resolve sources from")
         return

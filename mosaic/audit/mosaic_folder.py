@@ -18,7 +18,7 @@ from fractions import Fraction
 from operator import attrgetter, itemgetter
 from pathlib import Path
 
-from mosaic.audit.report import AuditReport, NotAMosaic, check_manifest, walk_folder
+from mosaic.audit.report import AuditReport, NotAMosaic, check_manifest, sources_recipe, walk_folder
 from mosaic.card import extract_block, render_block
 from mosaic.checkpoint.census import analyze
 from mosaic.checkpoint.exl3 import parse_key, part_rates
@@ -379,21 +379,12 @@ def _audit_sources(
     progress: Reporter,
 ) -> None:
     """Compare every output tensor with the tensor of the source it claims (true equality)."""
-    from mosaic.recipe import load_recipe
     from mosaic.sources import resolve_source
 
-    if sources is not True:
-        try:
-            given = load_recipe(sources)  # type: ignore[arg-type]
-        except RecipeError as e:
-            rep.fail("sources", str(e))
-            return
-        if recipe is not None and given.raw != recipe.raw:
-            rep.fail("sources", f"{sources} differs from the mosaic's {RECIPE_NAME}")
-            return
-        recipe, base_dir = given, given.folder
-    else:
-        base_dir = Path.cwd()
+    resolved = sources_recipe(rep, recipe, sources)
+    if resolved is None:
+        return
+    recipe, base_dir = resolved
     if recipe is None or doc is None:
         rep.fail("sources", "no valid recipe and provenance to resolve sources from")
         return

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mosaic.checkpoint.folder import check_relative_name
-from mosaic.errors import CheckpointError, MosaicError
-from mosaic.records import HUB_ARTEFACTS, MANIFEST_NAME, SIGNATURE_NAME, parse_manifest
+from mosaic.errors import CheckpointError, MosaicError, RecipeError
+from mosaic.recipe import Recipe, load_recipe
+from mosaic.records import HUB_ARTEFACTS, MANIFEST_NAME, RECIPE_NAME, SIGNATURE_NAME, parse_manifest
 
 
 @dataclass
@@ -133,3 +134,22 @@ def check_manifest(rep: AuditReport, root: Path, files: list[str]) -> dict[str, 
         if name not in fileset:
             rep.fail("manifest", "listed in the manifest but missing from the folder", file=name)
     return manifest
+
+
+def sources_recipe(rep: AuditReport, recipe: Recipe | None, sources: bool | str | Path) -> tuple[Recipe | None, Path] | None:
+    """The recipe ``--sources`` resolves sources from, and the folder its paths are relative to.
+
+    ``sources`` is True (the mosaic's own recipe, paths relative to the current folder) or the recipe
+    file the build used, which must be the mosaic's own byte for byte. None, with the failure
+    recorded, when that file cannot be used."""
+    if sources is True:
+        return recipe, Path.cwd()
+    try:
+        given = load_recipe(sources)  # type: ignore[arg-type]
+    except RecipeError as e:
+        rep.fail("sources", str(e))
+        return None
+    if recipe is not None and given.raw != recipe.raw:
+        rep.fail("sources", f"{sources} differs from the mosaic's {RECIPE_NAME}")
+        return None
+    return given, given.folder
