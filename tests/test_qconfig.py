@@ -40,27 +40,27 @@ def _doc(n: int = 4, **top: object) -> dict:
     return {"quant_method": "exl3", "bits": 2.0, **top, "tensor_storage": {f"m.{i}": _entry(i) for i in range(n)}}
 
 
-def _whole(path: Path) -> tuple[dict, list | None]:
+def _whole(path: Path, info: dict[str, TensorInfo] = INFO) -> tuple[dict, list | None]:
     """The reference: the whole text parsed strictly, then summarized."""
     q = parse_json(path.read_bytes(), path, "quantization config")
     if not isinstance(q, dict):
         raise CheckpointError(f"{path}: not a JSON object")
     storage = q.get("tensor_storage")
     top = {k: v for k, v in q.items() if k != "tensor_storage"}
-    return top, [summarize(k, e, INFO) for k, e in storage.items()] if isinstance(storage, dict) else None
+    return top, [summarize(k, e, info) for k, e in storage.items()] if isinstance(storage, dict) else None
 
 
-def _same_as_whole(tmp_path: Path, text: bytes) -> QConfigRead | None:
+def _same_as_whole(tmp_path: Path, text: bytes, info: dict[str, TensorInfo] = INFO) -> QConfigRead | None:
     path = tmp_path / "quantization_config.json"
     path.write_bytes(text)
     try:
-        want = _whole(path)
+        want = _whole(path, info)
     except (FormatError, CheckpointError) as e:
         with pytest.raises(type(e)) as got:
-            read_qconfig(path, INFO)
+            read_qconfig(path, info)
         assert str(got.value) == str(e)
         return None
-    got_read = read_qconfig(path, INFO)
+    got_read = read_qconfig(path, info)
     assert (got_read.top, got_read.entries) == want
     return got_read
 
@@ -177,3 +177,52 @@ def test_entry_spans_found_at_c_speed_are_the_line_scan_s(storage, top, cut, jun
     at = min(cut, len(text))
     for t in (text, text[:at] + junk + text[at:]):
         assert entry_span_list(t) == _entry_span_scan(t)
+
+
+def _stored(names: list[str], shape: list[int], dtype: str = "torch.int16") -> dict:
+    return {n: {"shape": shape, "n_bytes": 2 * shape[0], "dtype": dtype} for n in names}
+
+
+def test_entries_alike_but_for_their_key_are_parsed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """exllamav3's entries differ in key and shapes only: one parse per shape, not per entry."""
+    import mosaic.checkpoint.qconfig as q
+
+    keys = [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(3) for e in range(20) for p in ("up_proj", "down_proj")]
+    info = {f"{k}.{s}": TensorInfo(f"{k}.{s}", "I16", (8 if "up" in k else 4,), 0, 16 if "up" in k else 8) for k in keys for s in ("trellis", "suh")}
+    storage = {k: {"stored_tensors": _stored([f"{k}.trellis", f"{k}.suh"], [8 if "up" in k else 4]), "bits_per_weight": 2} for k in keys}
+    text = json.dumps({"bits": 2, "tensor_storage": storage}, indent=4).encode()
+    parses: list[str] = []
+    real = q.strict_json_loads
+    monkeypatch.setattr(q, "strict_json_loads", lambda t: parses.append(t) or real(t))
+    monkeypatch.setattr(q, "member_batches", None)  # the batched parse of every entry is not reached
+    r = _same_as_whole(tmp_path, text, info)
+    assert r is not None and r.offsets is not None and len(parses) == 2  # two shapes, 120 entries
+    assert all(e.problems == () and e.names == (f"{e.key}.trellis", f"{e.key}.suh") for e in r.entries or [])
+    assert r.entries and r.entries[0].names and r.entries[0].names[0] is info[f"{keys[0]}.trellis"].name
+
+
+_tkey = st.text(alphabet="m.1tx\"é\u2028", min_size=1, max_size=4)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    keys=st.lists(_tkey, min_size=1, max_size=6, unique=True),
+    names=st.lists(st.sampled_from(["{k}.a", "{k}.b", "{k}{k}", "x{k}", "{k}", "m.1.a", "t.a"]), min_size=0, max_size=3, unique=True),
+    dtype=st.sampled_from(["torch.int16", "torch.{k}", "torch.int8"]),
+    wrong=st.sets(st.integers(0, 5), max_size=2),
+    missing=st.sets(st.integers(0, 5), max_size=1),
+    ascii_only=st.booleans(),
+)
+def test_templated_entries_read_as_their_whole_parse(tmp_path_factory, keys, names, dtype, wrong, missing, ascii_only) -> None:  # type: ignore[no-untyped-def]
+    """Keys that recur elsewhere in their entry (in a dtype, twice in a name, inside another
+    name), names not made from the key, headers that disagree or are missing for some entries:
+    whatever the templates make of them, the result is the whole strict parse's."""
+    storage, info = {}, {}
+    for i, k in enumerate(keys):
+        ns = list(dict.fromkeys(n.format(k=k) for n in names))
+        storage[k] = {"stored_tensors": _stored(ns, [2], dtype.format(k=k)), "bits_per_weight": 2}
+        for n in ns:
+            if i not in missing:
+                info[n] = TensorInfo(n, "I8" if i in wrong else "I16", (2,), 0, 4)
+    text = json.dumps({"bits": 2, "tensor_storage": storage}, indent=4, ensure_ascii=ascii_only).encode()
+    _same_as_whole(tmp_path_factory.mktemp("t"), text, info)

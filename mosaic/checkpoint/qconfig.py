@@ -32,7 +32,12 @@ from typing import NamedTuple
 
 from mosaic.checkpoint.jsonfile import parse_json, read_bytes
 from mosaic.errors import CheckpointError
-from mosaic.formats.safetensors_reader import TensorInfo, plain_json_text, strict_json_loadb
+from mosaic.formats.safetensors_reader import (
+    TensorInfo,
+    plain_json_text,
+    strict_json_loadb,
+    strict_json_loads,
+)
 
 WHERE = "quantization_config.json"
 
@@ -288,6 +293,86 @@ def summarize_all(items: list[tuple[str, object]], info: Mapping[str, TensorInfo
     return list(map(tuple.__new__, repeat(EntrySummary), columns))
 
 
+#: The stand-in for an entry's key in its template: an escape, which a text without backslashes
+#: cannot hold, spelling a control character, which no JSON string may hold raw.
+_MARK = "\x01"
+_MARK_ESCAPED = b"\\u0001"
+_KEY_UNFIT = re.compile(r'["\\\x00-\x1f]')
+#: More distinct templates than this share (per entry) gain nothing over parsing the entries.
+_TEMPLATE_SHARE = 16
+
+
+def summarize_templated(text: bytes, spans: list[Span], info: Mapping[str, TensorInfo], want: dict) -> list[EntrySummary] | None:
+    """:func:`summarize` of every proved entry, parsing each distinct *template* once instead of
+    each entry: an entry's value with its key replaced by ``\\u0001``. exllamav3's entries differ
+    only in their key and shapes, so GLM-5.3-Flash's 38,000 entries have a few dozen templates.
+    None when the text does not fit (the caller parses the entries); an entry whose template or
+    headers do not fit is parsed on its own, and one that is not exactly its member also returns None.
+
+    Why a template's parse is the entry's: the text has no backslash, so every ``\\u0001`` of a
+    template stands for the key. A backslash is only valid inside a string, so when the template
+    parses, each stands inside a string; the key has no quote, backslash or control character, so
+    putting it back changes no token but those strings, whose values get the key where the
+    template's have ``\x01``. When the marks are exactly one per stored tensor name, at its start,
+    no other string holds the key and the names are the key + the template name's rest: distinct
+    exactly when the template's are, so the strict rule on repeated keys carries over too."""
+    keys = [s.key for s in spans]
+    if not keys or not all(keys) or _KEY_UNFIT.search("".join(keys)):
+        return None
+    groups: dict[bytes, list[int]] = {}
+    values = map(text.__getitem__, map(slice, map(operator.attrgetter("value"), spans), map(operator.attrgetter("end"), spans)))
+    for i, t in enumerate(map(bytes.replace, values, map(str.encode, keys), repeat(_MARK_ESCAPED))):
+        g = groups.get(t)
+        if g is None:
+            groups[t] = [i]
+        else:
+            g.append(i)
+    if len(groups) * _TEMPLATE_SHARE > len(spans) and len(groups) > 64:
+        return None
+    out: list[EntrySummary | None] = [None] * len(spans)
+    for t, idx in groups.items():
+        done = _summarize_group(t, [keys[i] for i in idx], info, want)
+        if done is None:  # the template or the headers do not fit: each entry of it on its own
+            done = []
+            for i in idx:
+                kv = parse_span(text, (spans[i].start, spans[i].end))
+                if kv is None or kv[0] != keys[i]:
+                    return None
+                done.append(summarize(kv[0], kv[1], info, want))
+        for i, e in zip(idx, done):
+            out[i] = e
+    return out  # type: ignore[return-value]
+
+
+def _summarize_group(template: bytes, keys: list[str], info: Mapping[str, TensorInfo], want: dict) -> list[EntrySummary] | None:
+    """The summaries of the entries ``keys`` that share ``template``, when it parses, its marks are
+    exactly its stored tensors' name prefixes, and every stored tensor agrees with its header; else None."""
+    try:
+        v = strict_json_loads(template.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    stored = v.get("stored_tensors") if type(v) is dict else None
+    if type(stored) is not dict or template.count(_MARK_ESCAPED) != len(stored):
+        return None
+    if not all(n.startswith(_MARK) and n.count(_MARK) == 1 for n in stored):
+        return None
+    rests = [n[1:] for n in stored]
+    infos = list(map(info.get, [k + r for k in keys for r in rests]))
+    if None in infos:
+        return None
+    kinds = list(zip(map(_E_DTYPE, infos), map(_E_SHAPE, infos), map(operator.sub, map(_E_END, infos), map(_E_BEGIN, infos))))
+    distinct = set(kinds)
+    for k in distinct - want.keys():
+        want[k] = {"shape": list(k[1]), "n_bytes": k[2], "dtype": ST_TO_TORCH.get(k[0])}
+    records = list(stored.values())
+    if any(want[k]["dtype"] is None for k in distinct) or list(map(want.__getitem__, kinds)) != records * len(keys):
+        return None
+    m = len(rests)
+    names = list(zip(*[iter(list(map(_E_NAME, infos)))] * m)) if m else [()] * len(keys)
+    fields = tuple(f(v) for f in _E_FIELDS)
+    return [EntrySummary(k, n, (), *fields) for k, n in zip(keys, names)]
+
+
 #: Entries parsed together (about 1 MB of text at GLM-5.3's entry size)
 _BATCH = 1024
 _JSON_SPACE = b" \t\n\r"
@@ -352,13 +437,16 @@ def read_qconfig(path: Path, info: Mapping[str, TensorInfo]) -> QConfigRead:
     want: dict = {}
     if proved is not None:
         top, spans = proved
+        offsets = array("q", (x for s in spans for x in (s.start, s.end)))
+        templated = summarize_templated(text, spans, info, want)
+        if templated is not None:
+            return QConfigRead(top, templated, digest, offsets)
         entries: list[EntrySummary] = []
         for batch in member_batches(text, ((s.key, s.start, s.end) for s in spans)):
             if batch is None:
                 break
             entries += summarize_all(batch, info, want)
         else:
-            offsets = array("q", (x for s in spans for x in (s.start, s.end)))
             return QConfigRead(top, entries, digest, offsets)
     q = parse_json(text, path, "quantization config")
     if not isinstance(q, dict):
