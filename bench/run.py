@@ -10,7 +10,8 @@ noisy: read the ratios, not the seconds.
 
 The original release's packer can be run as a contender of the *metadata* case when its script is
 given with ``MOSAIC_BENCH_PACK2=/path/to/mosaic_pack2.py`` (it is not part of this repository; it is
-``mosaic_pack2.py`` in the public recipe repository of GLM-5.3-Flash-EXL3-Spark). The targets
+``mosaic_pack2.py`` in the public recipe repository of GLM-5.3-Flash-EXL3-Spark,
+https://github.com/0xSero/glm-5.3-flash-spark-mosaic). The targets
 (:data:`TARGETS`) are ratios to that pipeline, measured in the same run; without it, the rows compare
 mosaic with the plain baselines only.
 """
@@ -34,6 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mosaic.testing import Geometry, glm53_geometry, write_checkpoint  # noqa: E402
+
+#: Where the original release's packer (``mosaic_pack2.py``) is published.
+PACK2_SOURCE = "https://github.com/0xSero/glm-5.3-flash-spark-mosaic"
 
 DATA = Path(os.environ.get("MOSAIC_BENCH_DIR", Path.home() / ".cache" / "mosaic-bench"))
 MOSAIC = [sys.executable, "-m", "mosaic.cli"]
@@ -258,7 +262,8 @@ def case_metadata(runs: int) -> None:
                         ("census", looked["mosaic census --json"]), ("plan", looked["mosaic plan --layers 12"])):
             row("metadata: GLM geometry", f"mosaic {what} / original pipeline", f"{t / built[ref]:.2f}", f"target ≤ {TARGETS[what]}")
     else:
-        row("metadata: GLM geometry", "ratios to the original pipeline", "not measured", "set MOSAIC_BENCH_PACK2 (see the docstring)")
+        row("metadata: GLM geometry", "ratios to the original pipeline", "not measured",
+            f"set MOSAIC_BENCH_PACK2=/path/to/mosaic_pack2.py (from {PACK2_SOURCE})")
 
 
 def case_census(runs: int) -> None:
@@ -481,8 +486,17 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        (ROOT / "bench" / "RESULTS.md").write_text("# Benchmark results\n\nProduced by `make bench` (`bench/run.py`).\n\n" + text)
+        write_results(ROOT / "bench" / "RESULTS.md", text)
     return 0
+
+
+def write_results(path: Path, table: str) -> None:
+    """Replace the generated table at the top of RESULTS.md; the sections written by hand below it
+    (each under a ``## `` heading: targets, same-run comparisons, profiles) are kept."""
+    old = path.read_text("utf-8") if path.exists() else ""
+    at = old.find("\n## ")
+    kept = old[at + 1 :] if at >= 0 else ""
+    path.write_text("# Benchmark results\n\nProduced by `make bench` (`bench/run.py`).\n\n" + table + ("\n" + kept if kept else ""))
 
 
 if __name__ == "__main__":
