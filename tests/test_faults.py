@@ -5,14 +5,16 @@ reruns the build, which must produce the reference folder byte for byte):
 
 | fault class                                   | trials | outcome                                                         | bytes lost |
 |-----------------------------------------------|--------|-----------------------------------------------------------------|------------|
-| SIGKILL at a named point (plan, each source    | 24     | no output folder; a hidden `.name.mosaic-partial-*` folder at    | 0          |
+| SIGKILL at a named point (plan, each source    | 27     | no output folder; a hidden `.name.mosaic-partial-*` folder at    | 0          |
 | hashed, each copy step, each shard written and |        | most, removed by the next build; with --force over an existing   |            |
 | verified, carried files, metadata, card,       |        | output, the previous output is kept or restored                  |            |
-| provenance, manifest, before/while renaming)   |        |                                                                 |            |
-| SIGINT (Ctrl-C) at 5 points, on worker threads | 5      | exit 130, one line `mosaic: interrupted`, temporary folder gone  | 0          |
+| provenance, manifest, fsyncs, before/while     |        |                                                                 |            |
+| renaming)                                      |        |                                                                 |            |
+| SIGINT (Ctrl-C) at 6 points, on worker threads | 6      | exit 130, one line `mosaic: interrupted`, temporary folder gone  | 0          |
 | and the main thread                            |        |                                                                 |            |
 | SIGTERM while copying                          | 1      | as Ctrl-C                                                        | 0          |
-| injected ENOSPC / EIO at the write, the read   | 4      | exit 2, one `mosaic: error:` line naming the errno, no output    | 0          |
+| injected ENOSPC / EIO at the write, the read,  | 5      | exit 2, one `mosaic: error:` line naming the errno, no output    | 0          |
+| the fsync of a written file                    |        |                                                                 |            |
 | real disk full (a 3 MB tmpfs)                  | 1      | exit 2, `No space left on device`, no output, nothing left        | 0          |
 | not enough space, known before writing         | 1      | exit 2 before any byte is written (tests/test_build.py)           | 0          |
 | a source changed during the build              | 1      | exit 1, the tensor named, no output                               | 0          |
@@ -97,7 +99,7 @@ def assert_recovers(world: dict, out: Path) -> None:
 KILL_POINTS = [
     "plan:1", "source:1", "source:3", "source:6", "copy:1", "copy:2", "copy:4", "copy:7",
     "written:1", "written:2", "verified:1", "verified:2", "carried:1", "carried:3",
-    "metadata:1", "metadata:2", "metadata:3", "card:1", "provenance:1", "manifest:1", "rename:1",
+    "metadata:1", "metadata:2", "metadata:3", "card:1", "provenance:1", "manifest:1", "fsync:1", "fsync:4", "rename:1",
 ]
 
 
@@ -123,7 +125,8 @@ def test_sigkill_while_replacing_keeps_the_previous_output(world: dict, tmp_path
     assert_recovers(world, out)
 
 
-@pytest.mark.parametrize(("where", "action"), [("source:2", "int"), ("copy:3", "int"), ("verified:2", "int"), ("provenance:1", "int"), ("plan:1", "int"), ("copy:2", "term")])
+@pytest.mark.parametrize(("where", "action"), [("source:2", "int"), ("copy:3", "int"), ("verified:2", "int"), ("provenance:1", "int"), ("plan:1", "int"), ("copy:2", "term"),
+                                               ("fsync:3", "int")])
 def test_interrupt_prints_one_line_and_exits_130(world: dict, tmp_path: Path, where: str, action: str) -> None:
     out = tmp_path / "out"
     r = run_cli(["build", str(world["recipe"]), "--out", str(out), "--jobs", "2"], fault=f"{where}:{action}")
@@ -138,6 +141,7 @@ def test_interrupt_prints_one_line_and_exits_130(world: dict, tmp_path: Path, wh
     ("metadata:1", "enospc", "No space left on device"),
     ("source:2", "eio", "Input/output error"),
     ("written:1", "eio", "Input/output error"),
+    ("fsync:2", "eio", "Input/output error"),  # a write-back error surfaces at the fsync of a finished file
 ])
 def test_injected_storage_errors(world: dict, tmp_path: Path, where: str, action: str, needle: str) -> None:
     out = tmp_path / "out"
@@ -218,3 +222,45 @@ def test_unwritable_output_parent(world: dict, tmp_path: Path) -> None:
     r = CliRunner().invoke(main, ["build", str(world["recipe"]), "--out", str(blocker / "sub" / "out")])
     assert r.exit_code == 2 and "cannot create the output's parent folder" in r.stderr
     assert blocker.read_text() == "not a folder"
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an fsynced descriptor through /proc")
+def test_every_output_file_is_durable_before_the_folder_is_renamed(world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsyncs run in the background while the build reads back what it wrote, but the folder is
+    renamed into place only once every file in it (PROVENANCE.json, card and manifest included) is synced."""
+    synced: set[str] = set()
+    renamed: list[set[str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+
+    def rename(src: object, dst: object) -> None:
+        if PARTIAL_TAG in Path(str(src)).name and Path(str(dst)) == out:
+            renamed.append({str(p) for p in Path(str(src)).rglob("*") if p.is_file()} - synced)
+        real_rename(src, dst)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    build(world["recipe"], out=out)
+    assert renamed == [set()], f"not synced when renamed: {renamed}"
+    assert tree_digest(out) == world["ref"]
+
+
+def test_a_failed_build_leaves_no_descriptor_open(world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build that fails while written files wait for their fsync closes every one of them."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("counts descriptors through /proc")
+    before = len(os.listdir("/proc/self/fd"))
+
+    def failing(fd: int) -> None:
+        os.close(fd)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(splice_mod, "_fsync_close", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        build(world["recipe"], out=tmp_path / "out")
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mosaic import __version__
 from mosaic.build.layout import BuildPlan
-from mosaic.build.splice import SpliceResult
+from mosaic.build.splice import Flusher, SpliceResult
 from mosaic.checkpoint.folder import bulk
 from mosaic.errors import VerificationError
 from mosaic.records import (
@@ -138,12 +138,15 @@ def _file(r: FileRecord) -> dict[str, object]:
 
 
 @bulk()
-def write_checked(doc: dict, path: Path) -> FileRecord:
+def write_checked(doc: dict, path: Path, durable: Flusher | None = None) -> FileRecord:
     """Write after validating against the schema (a violation is a failed build verification),
-    streamed and hashed as written; the record of the file written."""
+    streamed and hashed as written (and handed to ``durable`` to be fsynced); the record of the file written."""
     errors = validation_errors(doc)
     if errors:
         raise VerificationError(f"{PROVENANCE_NAME} does not match PROVENANCE.schema.json: {errors[0]}")
+    if durable is not None:
+        size, sha = durable.write(path, dump_chunks(doc))
+        return FileRecord(path.name, size, sha)
     h = hashlib.sha256()
     size = 0
     with open(path, "xb") as fo:

@@ -24,7 +24,7 @@ from mosaic.build.gguf_write import GGUFWriteResult, write_gguf
 from mosaic.build.layout import BuildPlan, make_plan
 from mosaic.build.provenance import build_provenance, write_checked
 from mosaic.build.selection import donor_modules, pick, select
-from mosaic.build.splice import SpliceResult, splice
+from mosaic.build.splice import Flusher, SpliceResult, splice
 from mosaic.build.stream import check_markers, read_plan_ranges
 from mosaic.card import render_card
 from mosaic.checkpoint.census import Analysis, analyze
@@ -180,18 +180,19 @@ def _check_space(plan: BuildPlan | GGUFPlan, parent: Path, link: bool) -> None:
         raise OutputError(f"{parent}: {free:,} bytes free, the mosaic needs {need:,} (planned exactly, plus margin)")
 
 
-def _finish(plan: BuildPlan, res: SpliceResult, tmp: Path, unverified: dict[str, set[str]] | None = None) -> dict:
-    """Write README.md, PROVENANCE.json and the manifest; returns the provenance document."""
+def _finish(plan: BuildPlan, res: SpliceResult, tmp: Path, durable: Flusher, unverified: dict[str, set[str]] | None = None) -> dict:
+    """Write README.md, PROVENANCE.json and the manifest (durable once ``durable`` has been waited
+    for, as every other output file); returns the provenance document."""
     doc = build_provenance(plan, res, unverified=unverified)
     card = render_card(doc)
-    (tmp / CARD_NAME).write_bytes(card)
+    durable.write(tmp / CARD_NAME, (card,))
     fault_point("card")
     res.files[CARD_NAME] = FileRecord(CARD_NAME, len(card), sha256_bytes(card))
     doc["files"] = [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in sorted(res.files.values(), key=lambda r: r.name)]
-    prov = write_checked(doc, tmp / PROVENANCE_NAME)
+    prov = write_checked(doc, tmp / PROVENANCE_NAME, durable)
     fault_point("provenance")
     records = [*res.files.values(), prov]
-    (tmp / MANIFEST_NAME).write_bytes(manifest(records))
+    durable.write(tmp / MANIFEST_NAME, (manifest(records),))
     fault_point("manifest")
     return doc
 
@@ -248,6 +249,7 @@ def build(
     tmp = parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-{os.urandom(4).hex()}"
     tmp.mkdir()
     old: Path | None = None
+    durable = Flusher()  # every output file is fsynced before the folder is renamed into place
     try:
         with _sigterm_as_interrupt():
             if gguf:
@@ -259,8 +261,10 @@ def build(
                 # no hub traffic from here on: the collector stays paused while 151,000 digests and
                 # records are made (each full collection would walk the whole plan again)
                 with bulk():
-                    res = splice(plan, tmp, jobs=jobs, link=link, progress=progress, known=_verified_digests(recipe, streamed))
-                    doc = _finish(plan, res, tmp, unverified={sid: set(s.unverified()) for sid, s in streamed.items()})
+                    res = splice(plan, tmp, jobs=jobs, link=link, progress=progress, known=_verified_digests(recipe, streamed),
+                                 durable=durable)
+                    doc = _finish(plan, res, tmp, durable, unverified={sid: set(s.unverified()) for sid, s in streamed.items()})
+            durable.wait()
             _fsync_dir(tmp)
             fault_point("rename")
             if out_dir.exists():
@@ -270,6 +274,7 @@ def build(
             os.rename(tmp, out_dir)
             _fsync_dir(parent)
     except BaseException:
+        durable.abandon()
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not out_dir.exists():
             os.rename(old, out_dir)

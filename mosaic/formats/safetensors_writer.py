@@ -159,10 +159,13 @@ def write_shard(
     *,
     kernel_copy: bool = True,
     on_bytes: Callable[[int], None] | None = None,
+    hand_off: Callable[[int], None] | None = None,
 ) -> set[str]:
     """Write one planned shard: the header, then every tensor's bytes from its source range.
 
     Source files are opened read-only. The destination must not exist. Returns the copy methods used.
+    The shard is made durable (fsync) before this returns, unless ``hand_off`` is given: it then
+    receives the written file's descriptor (its own duplicate, to fsync and close) once every byte is written.
     """
     buf = scratch("copy")[0]
     methods: set[str] = set()
@@ -194,7 +197,10 @@ def write_shard(
                     on_bytes(step)
                 fault_point("copy")
         os.ftruncate(dst, layout.size)
-        os.fsync(dst)
+        if hand_off is None:
+            os.fsync(dst)
+        else:
+            hand_off(os.dup(dst))
     finally:
         os.close(dst)
         for fd in fds.values():
