@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 from mosaic.faults import CANCEL, check_cancel
 
@@ -28,11 +28,13 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class FileDigests:
-    """A file's size and SHA-256, and the SHA-256 of each requested byte range, in request order."""
+    """A file's size and SHA-256, and the SHA-256 of each requested byte range, in request order;
+    with ``same_as``, whether its bytes were those of the other file (None: not compared)."""
 
     size: int
     sha256: str
     ranges: tuple[str, ...]
+    same: bool | None = None
 
 
 _local = threading.local()
@@ -91,10 +93,13 @@ def digest_file(
     *,
     on_bytes: Callable[[int], None] | None = None,
     chunk_size: int = CHUNK_SIZE,
+    same_as: str | os.PathLike[str] | None = None,
 ) -> FileDigests:
     """Read ``path`` once; return its digest and the digest of each absolute ``(start, end)`` range.
 
     Ranges must not overlap (tensor ranges of a valid shard never do). The file is opened read-only.
+    ``same_as``: another file read alongside and compared byte for byte (``memcmp``, not a digest:
+    a copy is checked against its source at memory speed, and the copy's digests are the source's).
     """
     prev_end = 0
     for a, b in sorted(ranges):
@@ -106,12 +111,15 @@ def digest_file(
     bufs = scratch("ring", RING, chunk_size)
     pending: list[list[Future[None]]] = [[] for _ in range(RING)]
     size = 0
+    same: bool | None = None if same_as is None else True
     with (
         open(path, "rb", buffering=0) as f,
+        open(same_as if same_as is not None else os.devnull, "rb", buffering=0) as g,
         ThreadPoolExecutor(1, thread_name_prefix="mosaic-file-hash") as fx,
         ThreadPoolExecutor(1, thread_name_prefix="mosaic-range-hash") as rx,
     ):
         _advise_sequential(f.fileno())
+        ref = scratch("compare", 1, chunk_size)[0] if same_as is not None else None
         slot = 0
         while True:
             check_cancel()
@@ -119,6 +127,8 @@ def digest_file(
                 fut.result()
             buf = bufs[slot]
             n = f.readinto(buf)
+            if ref is not None and same:
+                same = _same_chunk(g, ref, buf, n)
             if not n:
                 break
             view = memoryview(buf)[:n]
@@ -136,7 +146,21 @@ def digest_file(
     for a, b in ranges:
         if b > size:
             raise ValueError(f"range ({a}, {b}) runs past the end of {path} ({size} bytes)")
-    return FileDigests(size, file_hash.hexdigest(), tuple(h.hexdigest() for h in rh.hashes))
+    return FileDigests(size, file_hash.hexdigest(), tuple(h.hexdigest() for h in rh.hashes), same)
+
+
+def _same_chunk(g: BinaryIO, ref: bytearray, buf: bytearray, n: int) -> bool:
+    """Whether the next ``n`` bytes of ``g`` (all that is left of it when ``n`` is 0) are
+    ``buf[:n]``. Whole buffers compare in place; only a file's short last chunk is copied."""
+    got = 0
+    while got < n:  # a regular file's read returns short only at its end; this loop covers both
+        k = g.readinto(memoryview(ref)[got:n])
+        if not k:
+            return False
+        got += k
+    if n == 0:
+        return g.readinto(memoryview(ref)[:1]) == 0
+    return ref == buf if n == len(buf) == len(ref) else ref[:n] == buf[:n]
 
 
 def digest_ranges(

@@ -158,6 +158,60 @@ def test_untouched_shards_copied_or_linked(ckpt_factory, tmp_path: Path, link: b
         assert res.splice.methods[s.name] == ("link" if link else "kernel")
 
 
+def test_an_untouched_shard_is_hashed_once_and_compared_with_its_base_file(ckpt_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copied untouched shard's base file is not hashed in step 1: the copy is read back beside it,
+    compared byte for byte and hashed once; PROVENANCE is the same as when both are hashed (--link)."""
+    from mosaic import hashing
+    from mosaic.build import splice as splice_mod
+
+    base = ckpt_factory(BASE.with_(shard_size=1 << 20))
+    donor = ckpt_factory(DONOR)
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "layers": [5], "modules": ["mlp.experts"]}], at=tmp_path))
+    monkeypatch.setenv("MOSAIC_NO_DIGEST_CACHE", "1")  # digests of an earlier build would spare the reads
+    reads: list[tuple[str, str | None]] = []
+    real = hashing.digest_file
+
+    def recording(path, ranges=(), **kw):  # type: ignore[no-untyped-def]
+        in_base = Path(path).resolve().parent == Path(base).resolve()
+        reads.append((Path(path).name if in_base else "", kw.get("same_as") and Path(kw["same_as"]).name))
+        return real(path, ranges, **kw)
+
+    monkeypatch.setattr(splice_mod, "digest_file", recording)
+    res = build(recipe, out=tmp_path / "copied")
+    untouched = {s.name for s in res.plan.shards if s.untouched}
+    hashed = {n for n, _ in reads if n}
+    assert hashed and untouched and hashed & untouched == set()  # base files hashed, but none of theirs
+    assert {s for _, s in reads if s} == untouched  # each compared with its copy instead
+    linked = build(recipe, out=tmp_path / "linked", link=True)  # the base files hashed in step 1
+    a, b = (json.loads((r.out_dir / "PROVENANCE.json").read_text()) for r in (res, linked))
+    assert a["sources"] == b["sources"] and a["tensors"] == b["tensors"]
+
+
+def test_a_copy_that_differs_from_its_base_file_fails_the_build(ckpt_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mosaic.build import splice as splice_mod
+
+    base = ckpt_factory(BASE.with_(shard_size=1 << 20))
+    donor = ckpt_factory(DONOR)
+    recipe = write_recipe(tmp_path, recipe_doc(base, donor, [{"from": "q3", "layers": [5], "modules": ["mlp.experts"]}], at=tmp_path))
+    real = splice_mod._copy_whole
+
+    def corrupting(src: Path, dst: Path, durable=None) -> str:  # type: ignore[no-untyped-def]
+        method = real(src, dst, durable)
+        if src.suffix == ".safetensors":  # an untouched shard's copy
+            with open(dst, "r+b") as f:  # the last byte of tensor data, flipped after the copy was made
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)[0]
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last ^ 1]))
+        return method
+
+    monkeypatch.setattr(splice_mod, "_copy_whole", corrupting)
+    monkeypatch.setenv("MOSAIC_NO_DIGEST_CACHE", "1")
+    with pytest.raises(VerificationError, match="copy differs from the base file"):
+        build(recipe, out=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
 def test_exl3_style_donor_and_different_layouts(ckpt_factory, tmp_path: Path) -> None:
     base = ckpt_factory(BASE.with_(style="library", shard_size=3 << 20))
     donor = ckpt_factory(DONOR.with_(style="exl3", shard_size=512 << 10))

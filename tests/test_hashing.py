@@ -73,3 +73,29 @@ def test_scratch_buffers_are_reused_per_thread_and_purpose() -> None:
     t.start()
     t.join()
     assert len(other) == 3 and not {id(b) for b in other} & {id(b) for b in ring}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_compared_with_another_file_byte_for_byte(tmp_path: Path, chunk: int) -> None:
+    """``same_as``: equal only when every byte and the length agree, wherever they differ."""
+    data = bytes(range(256)) * 40 + b"tail"
+    p, q = tmp_path / "copy", tmp_path / "source"
+    p.write_bytes(data)
+    cases = [
+        (data, True),
+        (data[:-1] + b"X", False),  # the last byte
+        (b"X" + data[1:], False),  # the first
+        (data[:4096] + b"\xff" + data[4097:], False),  # at a chunk boundary
+        (data[:-1], False),  # the source is shorter
+        (data + b"\x00", False),  # or longer
+        (b"", False),
+    ]
+    for source, same in cases:
+        q.write_bytes(source)
+        d = digest_file(p, [(0, 10)], chunk_size=chunk, same_as=q)
+        assert d.same is same, (len(source), chunk)
+        assert d.sha256 == hashlib.sha256(data).hexdigest()  # the digests are the file's own
+    assert digest_file(p, chunk_size=chunk).same is None
+    p.write_bytes(b"")
+    q.write_bytes(b"")
+    assert digest_file(p, chunk_size=chunk, same_as=q).same is True

@@ -2,12 +2,15 @@
 
 Three steps, each streaming in bounded chunks and running several files at once (``jobs``):
 
-1. every source file the plan uses is read once, giving its SHA-256 and each of its tensors' SHA-256;
+1. every source file the plan uses is read once, giving its SHA-256 and each of its tensors' SHA-256
+   (a base file copied whole into an untouched shard is read in step 3 instead, beside its copy);
 2. each output shard is written: untouched shards whole (kernel copy, or a hard link with ``link``),
    spliced shards as header + byte ranges copied from base and donors (kernel copy where possible);
 3. every written file is read back from disk: its size must equal the plan and the digest of every
    tensor's written bytes must equal the digest of its source range. An untouched shard is checked by
-   its whole-file digest, and a hard-linked one is the source file itself, so it is not read again.
+   its whole-file digest, or compared byte for byte with its base file when step 1 did not read that
+   (one SHA-256 pass over its bytes instead of two); a hard-linked one is the source file itself, so
+   it is not read again.
 
 What is checked is recorded as ``checks`` for PROVENANCE.json. A mismatch raises
 :class:`~mosaic.errors.VerificationError`; sources are only ever opened read-only.
@@ -151,18 +154,31 @@ def _untouched(plan: BuildPlan) -> set[str]:
     return {s.name for s in plan.shards if s.untouched}
 
 
+def _compared_copies(plan: BuildPlan) -> set[str]:
+    """Untouched shards whose source file gives nothing to any other output shard: a copy of one
+    is checked against the base file byte for byte, and its digests are the base file's."""
+    users: dict[str, set[str]] = {}
+    for shard in plan.shards:
+        for t in shard.tensors:
+            if t.source == "base":
+                users.setdefault(t.source_file, set()).add(shard.name)
+    return {name for name in _untouched(plan) if users.get(name, {name}) == {name}}
+
+
 def digest_sources(
     plan: BuildPlan,
     jobs: int,
     progress: Reporter = SILENT,
     known: dict[str, dict[str, str]] | None = None,
+    skip: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> dict[str, dict[str, SourceFile]]:
     """Step 1: the digest of every source file the plan uses, and of each tensor it takes from it.
 
     A file is read once, both digests together. A file whose digest is already known — verified
     when it was downloaded (``known``), or computed by an earlier build and unchanged since (the
     digest cache) — is not hashed whole again: only tensors whose digests are not known yet are read.
-    Known digests are still checked: every copy is read back and compared with them."""
+    Known digests are still checked: every copy is read back and compared with them. Base files in
+    ``skip`` whose digests are not known are not read here: their copies are compared with them (step 3)."""
     known = known or {}
     used = _used_tensors(plan)
     work: list[tuple[str, str]] = [(sid, name) for sid, names in plan.used_files.items() for name in names]
@@ -183,6 +199,9 @@ def digest_sources(
     for name in _untouched(plan):
         if ("base", name) in trusted:
             used.pop(("base", name), None)
+        elif name in skip:
+            used.pop(("base", name), None)
+            work.remove(("base", name))
 
     def missing(item: tuple[str, str]) -> list[str]:
         have = trusted[item][1] if item in trusted else {}
@@ -230,6 +249,23 @@ def digest_sources(
     return out
 
 
+def _verify_copy(shard: ShardPlan, path: Path, advance: Callable[[int], None], before: list[int] | None) -> tuple[FileRecord, dict[str, str], list[str]]:
+    """Step 3 for an untouched shard whose base file step 1 did not read: the copy is read back
+    beside the base file and compared with it byte for byte; its digests, file and tensors, are
+    then the base file's (and are remembered for it in the digest cache)."""
+    assert shard.copy_of is not None
+    d = digest_file(path, [(t.offset, t.offset + t.nbytes) for t in shard.tensors], on_bytes=advance, same_as=shard.copy_of)
+    problems = []
+    if d.size != shard.size:
+        problems.append(f"{shard.name}: {d.size} bytes written, {shard.size} planned")
+    if not d.same:
+        problems.append(f"{shard.name}: copy differs from the base file")
+    tensors = {t.name: g for t, g in zip(shard.tensors, d.ranges)}
+    if not problems:
+        digest_cache.store(shard.copy_of, d.sha256, tensors, identity_before=before)
+    return FileRecord(shard.name, d.size, d.sha256), tensors, problems
+
+
 def _verify_shard(shard: ShardPlan, path: Path, sources: dict[str, dict[str, SourceFile]], advance: Callable[[int], None]) -> tuple[FileRecord, dict[str, str], list[str]]:
     """Step 3 for one shard: read it back; compare size and every tensor with its source digest."""
     problems: list[str] = []
@@ -272,8 +308,14 @@ def splice(
 ) -> SpliceResult:
     """Steps 1-3 into the (new, empty) folder ``out_dir``. With ``durable``, written files are
     handed to it to be fsynced while the next are written and read back (the caller waits for it
-    before publishing the folder); without, each is fsynced before it is read back."""
-    sources = digest_sources(plan, jobs, progress, known)
+    before publishing the folder); without, each is fsynced before it is read back.
+
+    An untouched shard that is copied (not linked) is not hashed in step 1: its copy is compared
+    with the base file byte for byte in step 3 and hashed there once, which spares one SHA-256
+    pass over its bytes."""
+    compared = set() if link else _compared_copies(plan)
+    sources = digest_sources(plan, jobs, progress, known, skip=compared)
+    compared = {n for n in compared if n not in sources["base"]}
     write_total = plan.bytes_to_write(link)
     adv_write = progress.step("writing", write_total)
     adv_verify = progress.step("verifying", plan.shard_bytes + sum(f.size for f in plan.carried))
@@ -282,6 +324,7 @@ def splice(
 
     def write_one(shard: ShardPlan) -> tuple[FileRecord, dict[str, str], list[str]]:
         dst = out_dir / shard.name
+        before = digest_cache.identity(shard.copy_of) if shard.name in compared else None  # type: ignore[arg-type]
         if shard.untouched:
             assert shard.copy_of is not None
             m = _link_or_copy(shard.copy_of, dst, durable) if link else _copy_whole(shard.copy_of, dst, durable)
@@ -295,7 +338,10 @@ def splice(
         with lock:
             methods[shard.name] = m
         fault_point("written")
-        out = _verify_shard(shard, dst, sources, adv_verify)
+        if shard.name in compared:
+            out = _verify_copy(shard, dst, adv_verify, before)
+        else:
+            out = _verify_shard(shard, dst, sources, adv_verify)
         fault_point("verified")
         return out
 
@@ -307,6 +353,8 @@ def splice(
         files[shard.name] = rec
         tensors.update(digests)
         problems += probs
+        if shard.name in compared:  # the base file's digests are its identical copy's
+            sources["base"][shard.name] = SourceFile(FileRecord(shard.name, rec.size, rec.sha256), dict(digests))
 
     for f in plan.carried:
         dst = out_dir / f.name
