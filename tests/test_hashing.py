@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mosaic.hashing import digest_file
 
@@ -99,3 +102,18 @@ def test_compared_with_another_file_byte_for_byte(tmp_path: Path, chunk: int) ->
     p.write_bytes(b"")
     q.write_bytes(b"")
     assert digest_file(p, chunk_size=chunk, same_as=q).same is True
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=300), cuts=st.lists(st.integers(0, 300), max_size=14), keep=st.lists(st.booleans(), max_size=14),
+       chunk=st.integers(1, 64), order=st.randoms(use_true_random=False))
+def test_range_digests_any_ranges_any_chunks(tmp_path_factory, data: bytes, cuts: list[int], keep: list[bool], chunk: int, order) -> None:  # type: ignore[no-untyped-def]
+    """Ranges that touch, are empty, start or end on a chunk's edge or span several chunks, in any
+    order: each digest is hashlib's of those bytes."""
+    points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+    ranges = [r for r, k in zip(pairwise(points), keep) if k] + [(q, q) for q, k in zip(points, reversed(keep)) if k]
+    order.shuffle(ranges)
+    p = tmp_path_factory.mktemp("h") / "f"
+    p.write_bytes(data)
+    d = digest_file(p, ranges, chunk_size=chunk)
+    assert d.ranges == tuple(hashlib.sha256(data[a:b]).hexdigest() for a, b in ranges)

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 from mosaic.build import digest_cache
@@ -157,12 +158,15 @@ def _untouched(plan: BuildPlan) -> set[str]:
 def _compared_copies(plan: BuildPlan) -> set[str]:
     """Untouched shards whose source file gives nothing to any other output shard: a copy of one
     is checked against the base file byte for byte, and its digests are the base file's."""
-    users: dict[str, set[str]] = {}
+    drawn: set[str] = set()  # base files the spliced shards take tensors from
     for shard in plan.shards:
-        for t in shard.tensors:
-            if t.source == "base":
-                users.setdefault(t.source_file, set()).add(shard.name)
-    return {name for name in _untouched(plan) if users.get(name, {name}) == {name}}
+        if not shard.untouched:
+            drawn.update(f for s, f in set(zip(map(_SOURCE, shard.tensors), map(_SOURCE_FILE, shard.tensors))) if s == "base")
+    return {name for name in _untouched(plan) if name not in drawn}
+
+
+_SOURCE = attrgetter("source")
+_SOURCE_FILE = attrgetter("source_file")
 
 
 def digest_sources(

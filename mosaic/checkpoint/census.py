@@ -110,7 +110,7 @@ def check_qconfig(ckpt: Checkpoint, modules: dict[str, Module]) -> list[str]:
                         problems.append(f"{WHERE}: {e.key}: {suf}_multiplier {mult} but the marker tensor holds {m.marker_value}")
                 elif mult is not None:
                     problems.append(f"{WHERE}: {e.key}: {suf}_multiplier given but the module has no {suf} tensor")
-    undescribed = [n for n in ckpt.tensor_file if n not in described]
+    undescribed = [] if ckpt.tensor_file.keys() <= described else [n for n in ckpt.tensor_file if n not in described]
     if undescribed:
         problems.append(f"{WHERE}: {len(undescribed)} tensor(s) in the shards have no tensor_storage entry, e.g. {undescribed[0]!r}")
     qbits = q.get("bits")

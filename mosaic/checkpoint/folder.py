@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import attrgetter
 from pathlib import Path, PurePosixPath
 
 from mosaic.checkpoint.jsonfile import load_json, load_json_digest
@@ -198,6 +199,9 @@ def list_files(root: Path) -> list[str]:
     return sorted(out)
 
 
+_NAME = attrgetter("name")
+
+
 def _shard_sort_key(name: str) -> tuple[int, str]:
     m = _SHARD_RE.match(name)
     return (int(m.group(1)) if m else 1 << 30, name)
@@ -259,14 +263,20 @@ def open_checkpoint(
         weight_map = {k: v for k, v in weight_map.items() if v in wanted}
     known_headers = headers or {}
     headers = {s: known_headers[s] if s in known_headers else read_header(rootp / s) for s in shards}
+    # each shard's names are unique (its header's strict parse): the shards together are when the
+    # merged map is as long as all of them, else the slow pass names the first tensor in two shards
     tensor_file: dict[str, str] = {}
     for s in shards:
-        for t in headers[s].tensors:
-            if t.name in tensor_file:
-                raise CheckpointError(f"{rootp}: tensor {t.name!r} appears in both {tensor_file[t.name]} and {s}")
-            tensor_file[t.name] = s
+        tensor_file.update(dict.fromkeys(map(_NAME, headers[s].tensors), s))
+    if len(tensor_file) != sum(len(headers[s].tensors) for s in shards):
+        seen: dict[str, str] = {}
+        for s in shards:
+            for t in headers[s].tensors:
+                if t.name in seen:
+                    raise CheckpointError(f"{rootp}: tensor {t.name!r} appears in both {seen[t.name]} and {s}")
+                seen[t.name] = s
 
-    if index is not None and weight_map is not None:
+    if index is not None and weight_map is not None and weight_map != tensor_file:  # equal: nothing to report
         for key, shard in weight_map.items():
             where = tensor_file.get(key)
             if where is None:
@@ -276,6 +286,7 @@ def open_checkpoint(
         unlisted = [k for k in tensor_file if k not in weight_map]
         if unlisted:
             problems.append(f"index: {len(unlisted)} tensor(s) in the shards are not in weight_map, e.g. {unlisted[0]!r}")
+    if index is not None and weight_map is not None:
         meta = index.get("metadata")
         total = meta.get("total_size") if isinstance(meta, dict) else None
         actual = sum(h.data_size for h in headers.values())
