@@ -150,11 +150,15 @@ def audit_mosaic(
                 rep.fail("safetensors", f"{e.rule}: {e}", file=name, tensor=e.key)
     where_tensor: dict[str, str] = {}
     for name, h in headers.items():
-        for t in h.tensors:
-            if t.name in where_tensor:
-                rep.fail("safetensors", f"tensor also in {where_tensor[t.name]}", file=name, tensor=t.name)
-            else:
-                where_tensor[t.name] = name
+        where_tensor.update(dict.fromkeys(map(attrgetter("name"), h.tensors), name))
+    if len(where_tensor) != sum(len(h.tensors) for h in headers.values()):  # a tensor in two shards: name each
+        where_tensor = {}
+        for name, h in headers.items():
+            for t in h.tensors:
+                if t.name in where_tensor:
+                    rep.fail("safetensors", f"tensor also in {where_tensor[t.name]}", file=name, tensor=t.name)
+                else:
+                    where_tensor[t.name] = name
     rep.counts["shards"] = len(headers)
     rep.counts["tensors"] = len(where_tensor)
 
@@ -255,10 +259,10 @@ def audit_mosaic(
             wm = idx.get("weight_map") if isinstance(idx, dict) else None
             if not isinstance(wm, dict):
                 raise FormatError(f"{INDEX_NAME}: no weight_map object")
-            for key, shard in wm.items():
+            for key, shard in wm.items() if wm != where_tensor else ():  # equal: nothing to report
                 if where_tensor.get(key) != shard:
                     rep.fail("index", f"maps to {shard!r} but it is in {where_tensor.get(key)!r}", file=INDEX_NAME, tensor=key)
-            for key, shard in where_tensor.items():
+            for key, shard in where_tensor.items() if wm.keys() != where_tensor.keys() else ():
                 if key not in wm:
                     rep.fail("index", "tensor in a shard is missing from weight_map", file=shard, tensor=key)
             total_size = (idx.get("metadata") or {}).get("total_size")
