@@ -129,7 +129,7 @@ def digest_file(
         ThreadPoolExecutor(1, thread_name_prefix="mosaic-range-hash") as rx,
     ):
         _advise_sequential(f.fileno())
-        ref = scratch("compare", 1, chunk_size)[0] if same_as is not None else None
+        ref = scratch("compare", 1, COMPARE_PIECE)[0] if same_as is not None else None
         slot = 0
         while True:
             check_cancel()
@@ -159,18 +159,30 @@ def digest_file(
     return FileDigests(size, file_hash.hexdigest(), tuple(h.hexdigest() for h in rh.hashes), same)
 
 
+#: The other file of a comparison is read a piece of this size at a time (one buffer per thread).
+COMPARE_PIECE = 1 << 20
+
+
 def _same_chunk(g: BinaryIO, ref: bytearray, buf: bytearray, n: int) -> bool:
     """Whether the next ``n`` bytes of ``g`` (all that is left of it when ``n`` is 0) are
-    ``buf[:n]``. Whole buffers compare in place; only a file's short last chunk is copied."""
-    got = 0
-    while got < n:  # a regular file's read returns short only at its end; this loop covers both
-        k = g.readinto(memoryview(ref)[got:n])
-        if not k:
-            return False
-        got += k
+    ``buf[:n]``, read into ``ref`` a piece at a time and compared with ``memcmp`` (a bytearray
+    compared with a memoryview compares their buffers; the other way round goes item by item)."""
     if n == 0:
-        return g.readinto(memoryview(ref)[:1]) == 0
-    return ref == buf if n == len(buf) == len(ref) else ref[:n] == buf[:n]
+        return g.readinto(ref) == 0
+    view, piece = memoryview(buf), memoryview(ref)
+    pos = 0
+    while pos < n:
+        want = min(len(ref), n - pos)
+        got = 0
+        while got < want:  # a regular file reads short only at its end
+            k = g.readinto(piece[got:want])
+            if not k:
+                return False
+            got += k
+        if (ref if want == len(ref) else bytearray(piece[:want])) != view[pos : pos + want]:
+            return False
+        pos += want
+    return True
 
 
 def digest_ranges(

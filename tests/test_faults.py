@@ -264,3 +264,39 @@ def test_a_failed_build_leaves_no_descriptor_open(world: dict, tmp_path: Path, m
         build(world["recipe"], out=tmp_path / "out")
     assert len(os.listdir("/proc/self/fd")) == before
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_untouched_base_shard_shrinks_during_build(world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A base file copied whole shrinks after the plan: the build names it and fails verification."""
+    base = tmp_path / "base"
+    shutil.copytree(world["base"], base)
+    recipe = write_recipe(tmp_path, recipe_doc(base, world["donor"], [{"from": "q3", "layers": [5], "modules": ["mlp.experts"]}], at=tmp_path))
+    monkeypatch.setenv("MOSAIC_NO_DIGEST_CACHE", "1")  # the copy is compared with the base file, not hashed before
+    real = splice_mod.digest_sources
+
+    def then_truncate(plan, *a, **kw):  # type: ignore[no-untyped-def]
+        out = real(plan, *a, **kw)
+        s = next(s for s in plan.shards if s.untouched)
+        os.truncate(s.copy_of, s.size - 100)
+        return out
+
+    monkeypatch.setattr(splice_mod, "digest_sources", then_truncate)
+    r = CliRunner().invoke(main, ["build", str(recipe), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.startswith("mosaic: error: build verification failed") and "planned" in r.stderr
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_few_descriptors_wait_for_their_fsync(world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many files a build writes, at most MAX_WAITING are held open for their fsync."""
+    monkeypatch.setattr(splice_mod.Flusher, "MAX_WAITING", 1)
+    held: list[int] = []
+    real = splice_mod._fsync_close
+
+    def counting(fd: int) -> None:
+        held.append(len(os.listdir("/proc/self/fd")) if Path("/proc/self/fd").is_dir() else 0)
+        real(fd)
+
+    monkeypatch.setattr(splice_mod, "_fsync_close", counting)
+    out = build(world["recipe"], out=tmp_path / "out").out_dir
+    assert tree_digest(out) == world["ref"] and len(held) == len(list(out.iterdir()))

@@ -78,9 +78,14 @@ def test_scratch_buffers_are_reused_per_thread_and_purpose() -> None:
     assert len(other) == 3 and not {id(b) for b in other} & {id(b) for b in ring}
 
 
+@pytest.mark.parametrize("piece", [3, 1 << 20])
 @pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
-def test_compared_with_another_file_byte_for_byte(tmp_path: Path, chunk: int) -> None:
-    """``same_as``: equal only when every byte and the length agree, wherever they differ."""
+def test_compared_with_another_file_byte_for_byte(tmp_path: Path, chunk: int, piece: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``same_as``: equal only when every byte and the length agree, wherever they differ (the
+    other file read in pieces smaller or larger than the chunks)."""
+    from mosaic import hashing
+
+    monkeypatch.setattr(hashing, "COMPARE_PIECE", piece)
     data = bytes(range(256)) * 40 + b"tail"
     p, q = tmp_path / "copy", tmp_path / "source"
     p.write_bytes(data)

@@ -226,3 +226,13 @@ def test_templated_entries_read_as_their_whole_parse(tmp_path_factory, keys, nam
                 info[n] = TensorInfo(n, "I8" if i in wrong else "I16", (2,), 0, 4)
     text = json.dumps({"bits": 2, "tensor_storage": storage}, indent=4, ensure_ascii=ascii_only).encode()
     _same_as_whole(tmp_path_factory.mktemp("t"), text, info)
+
+
+@pytest.mark.parametrize("depth", [30, 31, 40, 900, *range(940, 960), 990, 1100])
+def test_a_deep_entry_reads_as_the_whole_parse(tmp_path: Path, depth: int) -> None:
+    """An entry nested deeper than exllamav3 writes takes the batched parse: whether a parser's
+    recursion limit refuses it is then decided as for the whole document."""
+    info = {"m.0.a": TensorInfo("m.0.a", "I16", (2,), 0, 4)}
+    storage = {"m.0": {"stored_tensors": _stored(["m.0.a"], [2]), "bits_per_weight": 2, "x": "@@"}}
+    text = json.dumps({"bits": 2, "tensor_storage": storage}, indent=4).replace('"@@"', "[" * depth + "]" * depth).encode()
+    _same_as_whole(tmp_path, text, info)

@@ -23,6 +23,7 @@ from pathlib import Path
 from mosaic import __version__
 from mosaic.build import digest_cache
 from mosaic.build.gguf_plan import GGUFPlan, selection_summary
+from mosaic.build.splice import Flusher
 from mosaic.errors import VerificationError
 from mosaic.faults import check_cancel
 from mosaic.faults import point as fault_point
@@ -231,8 +232,12 @@ def gguf_provenance(plan: GGUFPlan, res: GGUFWriteResult) -> dict:
     }
 
 
-def write_gguf(plan: GGUFPlan, tmp: Path, *, jobs: int = 1, progress: Reporter = SILENT) -> tuple[GGUFWriteResult, dict]:
-    """Steps 1-3 into the new, empty folder ``tmp``, then the recipe, card, PROVENANCE.json and manifest."""
+def write_gguf(plan: GGUFPlan, tmp: Path, *, jobs: int = 1, progress: Reporter = SILENT,
+               durable: Flusher | None = None) -> tuple[GGUFWriteResult, dict]:
+    """Steps 1-3 into the new, empty folder ``tmp``, then the recipe, card, PROVENANCE.json and manifest
+    (handed to ``durable`` to be fsynced: the GGUF files themselves are fsynced as written)."""
+    own = durable is None
+    durable = Flusher() if durable is None else durable
     sources, source_tensors = _digest_sources(plan, jobs, progress)
     adv_write = progress.step("writing", plan.size)
     adv_verify = progress.step("verifying", plan.size)
@@ -274,11 +279,11 @@ def write_gguf(plan: GGUFPlan, tmp: Path, *, jobs: int = 1, progress: Reporter =
     ]
     res = GGUFWriteResult(methods, sources, source_tensors, files, tensors, checks)
     recipe_bytes = plan.recipe.raw
-    (tmp / RECIPE_NAME).write_bytes(recipe_bytes)
+    durable.write(tmp / RECIPE_NAME, (recipe_bytes,))
     res.files[RECIPE_NAME] = FileRecord(RECIPE_NAME, len(recipe_bytes), sha256_bytes(recipe_bytes))
     doc = gguf_provenance(plan, res)
     card = render_gguf_card(doc)
-    (tmp / CARD_NAME).write_bytes(card)
+    durable.write(tmp / CARD_NAME, (card,))
     fault_point("card")
     res.files[CARD_NAME] = FileRecord(CARD_NAME, len(card), sha256_bytes(card))
     doc["files"] = [r.as_dict() for r in sorted(res.files.values(), key=lambda r: r.name)]
@@ -286,9 +291,11 @@ def write_gguf(plan: GGUFPlan, tmp: Path, *, jobs: int = 1, progress: Reporter =
     if errs:
         raise VerificationError("PROVENANCE.json does not match its schema: " + "; ".join(errs[:3]))
     data = dumps(doc)
-    (tmp / PROVENANCE_NAME).write_bytes(data)
+    durable.write(tmp / PROVENANCE_NAME, (data,))
     fault_point("provenance")
     records = [*res.files.values(), FileRecord(PROVENANCE_NAME, len(data), sha256_bytes(data))]
-    (tmp / MANIFEST_NAME).write_bytes(manifest(records))
+    durable.write(tmp / MANIFEST_NAME, (manifest(records),))
     fault_point("manifest")
+    if own:
+        durable.wait()
     return res, doc

@@ -253,7 +253,7 @@ def build(
     try:
         with _sigterm_as_interrupt():
             if gguf:
-                res, doc = write_gguf(plan, tmp, jobs=jobs, progress=progress)
+                res, doc = write_gguf(plan, tmp, jobs=jobs, progress=progress, durable=durable)
             else:
                 if streamed:
                     read_plan_ranges(plan, streamed, jobs=max(jobs, 8), progress=progress)

@@ -76,13 +76,23 @@ class Flusher:
     instead of adding to it. :meth:`wait` comes before the output is renamed into place and
     raises the first failure; :meth:`abandon` (a failed build) closes what was not synced."""
 
+    #: Descriptors waiting for their fsync at most: a build of thousands of files stays far from the
+    #: process's limit of open files.
+    MAX_WAITING = 64
+
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mosaic-fsync")
         self._pending: list[tuple[int, Future[None]]] = []
+        self._lock = threading.Lock()
+        self._done = 0  # the pending fsyncs before this index have been waited for
 
     def take(self, fd: int) -> None:
-        """Own ``fd``: fsync it, then close it."""
-        self._pending.append((fd, self._pool.submit(_fsync_close, fd)))
+        """Own ``fd``: fsync it, then close it (after the oldest when too many are waiting)."""
+        with self._lock:
+            self._pending.append((fd, self._pool.submit(_fsync_close, fd)))
+            while len(self._pending) - self._done > self.MAX_WAITING:
+                self._pending[self._done][1].result()
+                self._done += 1
 
     def write(self, path: Path, chunks: Iterable[bytes]) -> tuple[int, str]:
         """Write a new file from ``chunks`` and hand it over; its size and SHA-256 as written."""
@@ -103,13 +113,18 @@ class Flusher:
                 f.result()
         finally:
             self.abandon()
+        self._pool.shutdown(wait=True)
 
     def abandon(self) -> None:
-        for fd, f in self._pending:
-            if f.cancel():
-                os.close(fd)
-        self._pending = []
-        self._pool.shutdown(wait=True)
+        """Close the descriptors whose fsync has not started; one running finishes on its own
+        (the caller removes the files meanwhile, and a second Ctrl-C is not kept waiting)."""
+        with self._lock:
+            for fd, f in self._pending:
+                if f.cancel():
+                    os.close(fd)
+            self._pending = []
+            self._done = 0
+        self._pool.shutdown(wait=False)
 
 
 def _fsync_close(fd: int) -> None:
@@ -258,13 +273,16 @@ def _verify_copy(shard: ShardPlan, path: Path, advance: Callable[[int], None], b
     beside the base file and compared with it byte for byte; its digests, file and tensors, are
     then the base file's (and are remembered for it in the digest cache)."""
     assert shard.copy_of is not None
-    d = digest_file(path, [(t.offset, t.offset + t.nbytes) for t in shard.tensors], on_bytes=advance, same_as=shard.copy_of)
+    size = path.stat().st_size
+    # a base file that changed size since it was planned: its copy is not read by the planned tensor ranges
+    ranges = [(t.offset, t.offset + t.nbytes) for t in shard.tensors] if size == shard.size else []
+    d = digest_file(path, ranges, on_bytes=advance, same_as=shard.copy_of)
     problems = []
     if d.size != shard.size:
         problems.append(f"{shard.name}: {d.size} bytes written, {shard.size} planned")
     if not d.same:
         problems.append(f"{shard.name}: copy differs from the base file")
-    tensors = {t.name: g for t, g in zip(shard.tensors, d.ranges)}
+    tensors = dict(zip([t.name for t in shard.tensors], d.ranges)) if ranges else {}
     if not problems:
         digest_cache.store(shard.copy_of, d.sha256, tensors, identity_before=before)
     return FileRecord(shard.name, d.size, d.sha256), tensors, problems

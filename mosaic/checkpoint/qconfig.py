@@ -300,6 +300,28 @@ _MARK_ESCAPED = b"\\u0001"
 _KEY_UNFIT = re.compile(r'["\\\x00-\x1f]')
 #: More distinct templates than this share (per entry) gain nothing over parsing the entries.
 _TEMPLATE_SHARE = 16
+#: Nesting a template may have (exllamav3's entries have 4). Whether a parser refuses a deeply nested
+#: text depends on its recursion limit, which a piece parsed alone meets at another depth than the whole
+#: document: a deeper entry leaves the verdict to the whole document's strict parse.
+_TEMPLATE_DEPTH = 32
+
+
+class _TooDeep(Exception):
+    """A template nests deeper than :data:`_TEMPLATE_DEPTH`: the whole document is parsed instead."""
+_BRACKETS = re.compile(rb'"[^"]*"|[\[{]|[\]}]')
+
+
+def _depth(text: bytes) -> int:
+    """The deepest nesting of arrays and objects in a JSON text without backslashes (strings skipped)."""
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(text):
+        c = m.group()[:1]
+        if c in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in b"]}":
+            depth -= 1
+    return deepest
 
 
 def summarize_templated(text: bytes, spans: list[Span], info: Mapping[str, TensorInfo], want: dict) -> list[EntrySummary] | None:
@@ -347,6 +369,8 @@ def summarize_templated(text: bytes, spans: list[Span], info: Mapping[str, Tenso
 def _summarize_group(template: bytes, keys: list[str], info: Mapping[str, TensorInfo], want: dict) -> list[EntrySummary] | None:
     """The summaries of the entries ``keys`` that share ``template``, when it parses, its marks are
     exactly its stored tensors' name prefixes, and every stored tensor agrees with its header; else None."""
+    if _depth(template) > _TEMPLATE_DEPTH:
+        raise _TooDeep
     try:
         v = strict_json_loads(template.decode("utf-8"))
     except (ValueError, RecursionError):
@@ -428,6 +452,21 @@ class QConfigRead(NamedTuple):
     offsets: array | None
 
 
+def _read_proved(text: bytes, top: dict, spans: list[Span], info: Mapping[str, TensorInfo], want: dict, digest: str) -> QConfigRead | None:
+    """:func:`read_qconfig` of a text whose spans are proved: by templates, else a batch at a time;
+    None when a batch is not exactly its members (raises :class:`_TooDeep` for a deep template)."""
+    offsets = array("q", (x for s in spans for x in (s.start, s.end)))
+    templated = summarize_templated(text, spans, info, want)
+    if templated is not None:
+        return QConfigRead(top, templated, digest, offsets)
+    entries: list[EntrySummary] = []
+    for batch in member_batches(text, ((s.key, s.start, s.end) for s in spans)):
+        if batch is None:
+            return None
+        entries += summarize_all(batch, info, want)
+    return QConfigRead(top, entries, digest, offsets)
+
+
 def read_qconfig(path: Path, info: Mapping[str, TensorInfo]) -> QConfigRead:
     """Read and summarize every entry, holding a batch at a time when the text allows (else
     parsing the whole document strictly, which also names any error)."""
@@ -436,18 +475,12 @@ def read_qconfig(path: Path, info: Mapping[str, TensorInfo]) -> QConfigRead:
     proved = prove_spans(text)
     want: dict = {}
     if proved is not None:
-        top, spans = proved
-        offsets = array("q", (x for s in spans for x in (s.start, s.end)))
-        templated = summarize_templated(text, spans, info, want)
-        if templated is not None:
-            return QConfigRead(top, templated, digest, offsets)
-        entries: list[EntrySummary] = []
-        for batch in member_batches(text, ((s.key, s.start, s.end) for s in spans)):
-            if batch is None:
-                break
-            entries += summarize_all(batch, info, want)
-        else:
-            return QConfigRead(top, entries, digest, offsets)
+        try:
+            read = _read_proved(text, *proved, info, want, digest)
+        except _TooDeep:
+            read = None  # the whole parse below decides
+        if read is not None:
+            return read
     q = parse_json(text, path, "quantization config")
     if not isinstance(q, dict):
         raise CheckpointError(f"{path}: not a JSON object")
