@@ -373,6 +373,31 @@ def test_interrupted_build_leaves_no_output(tmp_path: Path, models: Path) -> Non
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".o.mosaic-partial-")]
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an fsynced descriptor through /proc")
+def test_every_gguf_output_file_is_durable_before_the_rename(tmp_path: Path, models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF parts are fsynced in the background while read back, the small files too; the
+    folder is renamed into place only once every file in it is synced."""
+    synced: set[str] = set()
+    unsynced_at_rename: list[set[str]] = []
+    out = tmp_path / "o"
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+
+    def rename(src: object, dst: object) -> None:
+        if Path(str(dst)) == out:
+            unsynced_at_rename.append({str(p) for p in Path(str(src)).rglob("*") if p.is_file()} - synced)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    build(recipe(tmp_path, models, BASIC), out=out)
+    assert unsynced_at_rename == [set()]
+    assert audit(out).ok
+
+
 # --- plan: exact sizes from each tensor's type ------------------------------------------------------------
 
 

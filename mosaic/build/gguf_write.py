@@ -123,8 +123,9 @@ def _verified(plan: GGUFPlan) -> dict[str, dict[str, str]]:
     return out
 
 
-def _write_part(plan: GGUFPlan, index: int, dst_path: Path, on_bytes: object) -> str:
-    """Step 2 for one part: header, then each tensor's source range; returns the copy methods used."""
+def _write_part(plan: GGUFPlan, index: int, dst_path: Path, on_bytes: object, durable: Flusher) -> str:
+    """Step 2 for one part: header, then each tensor's source range, handed to ``durable`` to be
+    fsynced while it is read back; returns the copy methods used."""
     fname, lay = plan.files[index]
     buf = scratch("copy")[0]
     methods: set[str] = set()
@@ -147,7 +148,7 @@ def _write_part(plan: GGUFPlan, index: int, dst_path: Path, on_bytes: object) ->
                 on_bytes(step)  # type: ignore[operator]
                 fault_point("copy")
         os.ftruncate(dst, lay.size)
-        os.fsync(dst)
+        durable.take(os.dup(dst))
     finally:
         os.close(dst)
         for fd in fds.values():
@@ -234,8 +235,9 @@ def gguf_provenance(plan: GGUFPlan, res: GGUFWriteResult) -> dict:
 
 def write_gguf(plan: GGUFPlan, tmp: Path, *, jobs: int = 1, progress: Reporter = SILENT,
                durable: Flusher | None = None) -> tuple[GGUFWriteResult, dict]:
-    """Steps 1-3 into the new, empty folder ``tmp``, then the recipe, card, PROVENANCE.json and manifest
-    (handed to ``durable`` to be fsynced: the GGUF files themselves are fsynced as written)."""
+    """Steps 1-3 into the new, empty folder ``tmp``, then the recipe, card, PROVENANCE.json and manifest,
+    every file handed to ``durable`` to be fsynced (the caller waits for it before the rename; without
+    one, this waits before returning)."""
     own = durable is None
     durable = Flusher() if durable is None else durable
     sources, source_tensors = _digest_sources(plan, jobs, progress)
@@ -246,7 +248,7 @@ def write_gguf(plan: GGUFPlan, tmp: Path, *, jobs: int = 1, progress: Reporter =
 
     def one(i: int) -> tuple[FileRecord, dict[str, str], list[str]]:
         fname, lay = plan.files[i]
-        m = _write_part(plan, i, tmp / fname, adv_write)
+        m = _write_part(plan, i, tmp / fname, adv_write, durable)
         adv_write(len(lay.header))
         with lock:
             methods[fname] = m
