@@ -98,6 +98,22 @@ class TensorColumns(Sequence[dict]):
     __hash__ = None  # type: ignore[assignment]
 
 
+def as_columns(tensors: object) -> TensorColumns | None:
+    """Parsed tensor records as columns, when every one is a dict of exactly the seven fields with a
+    list shape (what a build writes and an audit reads back): the checks then run a column at a
+    time and the 151,000 dicts can go. None for anything else, which is then checked as it is;
+    the columns read back as the very dicts they were made from."""
+    if type(tensors) is not list or not tensors:
+        return None
+    if set(map(type, tensors)) != {dict} or not all(map(operator.eq, map(dict.keys, tensors), repeat(_TENSOR_KEYS))):
+        return None
+    cols = {k: list(map(operator.itemgetter(k), tensors)) for k in _TENSOR_ORDER}
+    if set(map(type, cols["shape"])) != {list}:
+        return None
+    cols["shape"] = list(map(tuple, cols["shape"]))
+    return TensorColumns(**cols)
+
+
 def column(tensors: Sequence[dict], key: str) -> list:
     """One field of every tensor record, from columns or from a parsed list of dicts."""
     if isinstance(tensors, TensorColumns):

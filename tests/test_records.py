@@ -170,3 +170,20 @@ def test_columns_of_a_real_shape_stream_in_chunks(monkeypatch) -> None:  # type:
     assert len(chunks) > 4
     assert b"".join(chunks) == dumps({"tensors": list(cols)})
     assert json.loads(b"".join(chunks))["tensors"][7] == cols[7] == cols[-3]
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(ts=st.lists(_tensor, max_size=5), shuffle=st.booleans())
+def test_parsed_records_as_columns_read_and_validate_as_themselves(ts: list, shuffle: bool) -> None:
+    """An audit turns the parsed records into columns when each is a dict of exactly the seven
+    fields with a list shape: they then read back as the very dicts, with the same schema
+    verdicts; anything else (an extra field, a shape that is not a list) stays as it is."""
+    from mosaic.records import as_columns, validation_errors
+
+    parsed = json.loads(json.dumps([dict(reversed(t.items())) if shuffle else t for t in ts]))
+    cols = as_columns(parsed)
+    plain = bool(parsed) and all(set(t) == set(_ORDER) and isinstance(t["shape"], list) for t in parsed)
+    assert (cols is not None) is plain
+    if cols is not None:
+        assert list(cols) == [{k: t[k] for k in _ORDER} for t in parsed] and cols == parsed
+        assert validation_errors({"schema": "x", "tensors": cols}) == validation_errors({"schema": "x", "tensors": parsed})
