@@ -300,3 +300,18 @@ def test_few_descriptors_wait_for_their_fsync(world: dict, tmp_path: Path, monke
     monkeypatch.setattr(splice_mod, "_fsync_close", counting)
     out = build(world["recipe"], out=tmp_path / "out").out_dir
     assert tree_digest(out) == world["ref"] and len(held) == len(list(out.iterdir()))
+
+
+def test_a_descriptor_handed_over_too_late_is_closed(tmp_path: Path) -> None:
+    """Handing a written file to a flusher that a failed build has abandoned closes it rather than
+    leaking it (the error still surfaces)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("counts descriptors through /proc")
+    f = splice_mod.Flusher()
+    f.abandon()
+    before = len(os.listdir("/proc/self/fd"))
+    fd = os.open(tmp_path / "x", os.O_WRONLY | os.O_CREAT)
+    with pytest.raises(RuntimeError):
+        f.take(os.dup(fd))
+    os.close(fd)
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -502,7 +502,10 @@ def test_stream_is_for_exl3_hub_sources(tmp_path: Path, models: Path) -> None:
 
 @pytest.mark.parametrize(("fault", "rc", "says"), [("copy:2:enospc", 2, "mosaic: error: No space left on device"),
                                                    ("verified:1:int", 130, "mosaic: interrupted"),
-                                                   ("provenance:1:eio", 2, "mosaic: error: Input/output error")])
+                                                   ("provenance:1:eio", 2, "mosaic: error: Input/output error"),
+                                                   ("fsync:1:eio", 2, "mosaic: error: Input/output error"),
+                                                   ("fsync:1:int", 130, "mosaic: interrupted"),
+                                                   ("fsync:2:int", 130, "mosaic: interrupted")])
 def test_failed_or_interrupted_build_removes_its_temporary_folder(tmp_path: Path, models: Path, fault: str, rc: int, says: str) -> None:
     out = tmp_path / "o"
     r = subprocess.run([sys.executable, "-m", "mosaic.cli", "build", str(recipe(tmp_path, models, BASIC)), "--out", str(out)],

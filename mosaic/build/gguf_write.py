@@ -238,8 +238,15 @@ def write_gguf(plan: GGUFPlan, tmp: Path, *, jobs: int = 1, progress: Reporter =
     """Steps 1-3 into the new, empty folder ``tmp``, then the recipe, card, PROVENANCE.json and manifest,
     every file handed to ``durable`` to be fsynced (the caller waits for it before the rename; without
     one, this waits before returning)."""
-    own = durable is None
-    durable = Flusher() if durable is None else durable
+    if durable is None:
+        own = Flusher()
+        try:
+            out = write_gguf(plan, tmp, jobs=jobs, progress=progress, durable=own)
+        except BaseException:
+            own.abandon()
+            raise
+        own.wait()
+        return out
     sources, source_tensors = _digest_sources(plan, jobs, progress)
     adv_write = progress.step("writing", plan.size)
     adv_verify = progress.step("verifying", plan.size)
@@ -298,6 +305,4 @@ def write_gguf(plan: GGUFPlan, tmp: Path, *, jobs: int = 1, progress: Reporter =
     records = [*res.files.values(), FileRecord(PROVENANCE_NAME, len(data), sha256_bytes(data))]
     durable.write(tmp / MANIFEST_NAME, (manifest(records),))
     fault_point("manifest")
-    if own:
-        durable.wait()
     return res, doc

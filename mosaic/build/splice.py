@@ -85,11 +85,19 @@ class Flusher:
         self._pending: list[tuple[int, Future[None]]] = []
         self._lock = threading.Lock()
         self._done = 0  # the pending fsyncs before this index have been waited for
+        self._abandoned = False
 
     def take(self, fd: int) -> None:
-        """Own ``fd``: fsync it, then close it (after the oldest when too many are waiting)."""
+        """Own ``fd``: fsync it, then close it (after the oldest when too many are waiting).
+
+        Once queued, only the fsync thread, or :meth:`abandon` for one that never started, closes it:
+        a descriptor closed twice could be another file's by then."""
         with self._lock:
-            self._pending.append((fd, self._pool.submit(_fsync_close, fd)))
+            if self._abandoned:  # a failed build: its files will not be published, this one is closed
+                os.close(fd)
+                raise RuntimeError("the build was abandoned; its files are no longer synced")
+            future = self._pool.submit(_fsync_close, fd)
+            self._pending.append((fd, future))
             while len(self._pending) - self._done > self.MAX_WAITING:
                 self._pending[self._done][1].result()
                 self._done += 1
@@ -119,6 +127,7 @@ class Flusher:
         """Close the descriptors whose fsync has not started; one running finishes on its own
         (the caller removes the files meanwhile, and a second Ctrl-C is not kept waiting)."""
         with self._lock:
+            self._abandoned = True
             for fd, f in self._pending:
                 if f.cancel():
                     os.close(fd)
