@@ -124,7 +124,7 @@ def digest_file(
     same: bool | None = None if same_as is None else True
     with (
         open(path, "rb", buffering=0) as f,
-        open(same_as if same_as is not None else os.devnull, "rb", buffering=0) as g,
+        open(same_as, "rb", buffering=0) if same_as is not None else contextlib.nullcontext() as g,
         ThreadPoolExecutor(1, thread_name_prefix="mosaic-file-hash") as fx,
         ThreadPoolExecutor(1, thread_name_prefix="mosaic-range-hash") as rx,
     ):

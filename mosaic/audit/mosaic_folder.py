@@ -31,7 +31,7 @@ from mosaic.checkpoint.folder import (
     open_checkpoint,
 )
 from mosaic.errors import FormatError, MosaicError, RecipeError, SafetensorsError
-from mosaic.formats.safetensors_reader import ShardHeader, read_header
+from mosaic.formats.safetensors_reader import ShardHeader, read_header, tensor_shards
 from mosaic.hashing import digest_file, parallel_map
 from mosaic.progress import SILENT, Reporter
 from mosaic.recipe import Recipe, parse_recipe
@@ -157,11 +157,9 @@ def audit_mosaic(
                 headers[name] = read_header(root / name)
             except SafetensorsError as e:
                 rep.fail("safetensors", f"{e.rule}: {e}", file=name, tensor=e.key)
-    where_tensor: dict[str, str] = {}
-    for name, h in headers.items():
-        where_tensor.update(dict.fromkeys(map(attrgetter("name"), h.tensors), name))
-    if len(where_tensor) != sum(len(h.tensors) for h in headers.values()):  # a tensor in two shards: name each
-        where_tensor = {}
+    shards_of = tensor_shards(headers)
+    where_tensor: dict[str, str] = shards_of if shards_of is not None else {}
+    if shards_of is None:  # a tensor in two shards: name each
         for name, h in headers.items():
             for t in h.tensors:
                 if t.name in where_tensor:

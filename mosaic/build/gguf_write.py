@@ -23,7 +23,7 @@ from pathlib import Path
 from mosaic import __version__
 from mosaic.build import digest_cache
 from mosaic.build.gguf_plan import GGUFPlan, selection_summary
-from mosaic.build.splice import Flusher
+from mosaic.build.splice import Flusher, durable_files
 from mosaic.errors import VerificationError
 from mosaic.faults import check_cancel
 from mosaic.faults import point as fault_point
@@ -238,15 +238,11 @@ def write_gguf(plan: GGUFPlan, tmp: Path, *, jobs: int = 1, progress: Reporter =
     """Steps 1-3 into the new, empty folder ``tmp``, then the recipe, card, PROVENANCE.json and manifest,
     every file handed to ``durable`` to be fsynced (the caller waits for it before the rename; without
     one, this waits before returning)."""
-    if durable is None:
-        own = Flusher()
-        try:
-            out = write_gguf(plan, tmp, jobs=jobs, progress=progress, durable=own)
-        except BaseException:
-            own.abandon()
-            raise
-        own.wait()
-        return out
+    with durable_files(durable) as flusher:
+        return _write_gguf(plan, tmp, jobs, progress, flusher)
+
+
+def _write_gguf(plan: GGUFPlan, tmp: Path, jobs: int, progress: Reporter, durable: Flusher) -> tuple[GGUFWriteResult, dict]:
     sources, source_tensors = _digest_sources(plan, jobs, progress)
     adv_write = progress.step("writing", plan.size)
     adv_verify = progress.step("verifying", plan.size)

@@ -10,7 +10,6 @@ record is both fast to write and readable in a diff.
 
 from __future__ import annotations
 
-import hashlib
 from fractions import Fraction
 from itertools import chain, repeat
 from operator import attrgetter
@@ -138,22 +137,13 @@ def _file(r: FileRecord) -> dict[str, object]:
 
 
 @bulk()
-def write_checked(doc: dict, path: Path, durable: Flusher | None = None) -> FileRecord:
+def write_checked(doc: dict, path: Path, durable: Flusher) -> FileRecord:
     """Write after validating against the schema (a violation is a failed build verification),
-    streamed and hashed as written (and handed to ``durable`` to be fsynced); the record of the file written."""
+    streamed and hashed as written and handed to ``durable`` to be fsynced; the record of the file written."""
     errors = validation_errors(doc)
     if errors:
         raise VerificationError(f"{PROVENANCE_NAME} does not match PROVENANCE.schema.json: {errors[0]}")
-    if durable is not None:
-        size, sha = durable.write(path, dump_chunks(doc))
-        return FileRecord(path.name, size, sha)
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "xb") as fo:
-        for chunk in dump_chunks(doc):
-            fo.write(chunk)
-            h.update(chunk)
-            size += len(chunk)
-    return FileRecord(path.name, size, h.hexdigest())
+    size, sha = durable.write(path, dump_chunks(doc))
+    return FileRecord(path.name, size, sha)
 
 

@@ -22,8 +22,9 @@ import errno
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
@@ -136,6 +137,22 @@ class Flusher:
         self._pool.shutdown(wait=False)
 
 
+@contextmanager
+def durable_files(durable: Flusher | None) -> Iterator[Flusher]:
+    """The caller's flusher (the caller waits for it), or one of its own: waited for when the block
+    ends, so that every file handed to it is durable then, and abandoned when the block fails."""
+    if durable is not None:
+        yield durable
+        return
+    own = Flusher()
+    try:
+        yield own
+    except BaseException:
+        own.abandon()
+        raise
+    own.wait()
+
+
 def _fsync_close(fd: int) -> None:
     try:
         fault_point("fsync")
@@ -144,19 +161,16 @@ def _fsync_close(fd: int) -> None:
         os.close(fd)
 
 
-def _copy_whole(src: Path, dst: Path, durable: Flusher | None = None) -> str:
+def _copy_whole(src: Path, dst: Path, durable: Flusher) -> str:
     size = src.stat().st_size
     buf = scratch("copy")[0]
     with open(src, "rb") as fi, open(dst, "xb") as fo:
         method = copy_range(fi.fileno(), fo.fileno(), size, 0, 0, buf=buf) if size else "kernel"
-        if durable is None:
-            os.fsync(fo.fileno())
-        else:
-            durable.take(os.dup(fo.fileno()))
+        durable.take(os.dup(fo.fileno()))
     return method
 
 
-def _link_or_copy(src: Path, dst: Path, durable: Flusher | None = None) -> str:
+def _link_or_copy(src: Path, dst: Path, durable: Flusher) -> str:
     try:
         os.link(src, dst)
         return "link"
@@ -337,13 +351,19 @@ def splice(
     known: dict[str, dict[str, str]] | None = None,
     durable: Flusher | None = None,
 ) -> SpliceResult:
-    """Steps 1-3 into the (new, empty) folder ``out_dir``. With ``durable``, written files are
-    handed to it to be fsynced while the next are written and read back (the caller waits for it
-    before publishing the folder); without, each is fsynced before it is read back.
+    """Steps 1-3 into the (new, empty) folder ``out_dir``. Written files are fsynced while the next
+    are written and read back: by ``durable``, which the caller waits for before publishing the
+    folder, or by a flusher of this call's own, waited for before it returns.
 
     An untouched shard that is copied (not linked) is not hashed in step 1: its copy is compared
     with the base file byte for byte in step 3 and hashed there once, which spares one SHA-256
     pass over its bytes."""
+    with durable_files(durable) as flusher:
+        return _splice(plan, out_dir, jobs, link, progress, known, flusher)
+
+
+def _splice(plan: BuildPlan, out_dir: Path, jobs: int, link: bool, progress: Reporter,
+            known: dict[str, dict[str, str]] | None, durable: Flusher) -> SpliceResult:
     compared = set() if link else _compared_copies(plan)
     sources = digest_sources(plan, jobs, progress, known, skip=compared)
     compared = {n for n in compared if n not in sources["base"]}
@@ -363,7 +383,7 @@ def splice(
                 adv_write(shard.size)
         else:
             assert shard.layout is not None
-            ms = write_shard(shard.layout, dst, on_bytes=adv_write, hand_off=durable.take if durable is not None else None)
+            ms = write_shard(shard.layout, dst, on_bytes=adv_write, hand_off=durable.take)
             adv_write(len(shard.layout.header))
             m = "+".join(sorted(ms)) or "header only"
         with lock:
@@ -401,14 +421,7 @@ def splice(
 
     for name, data in plan.generated.items():
         dst = out_dir / name
-        chunks = data.chunks() if isinstance(data, SplicedText) else (data,)
-        if durable is not None:
-            durable.write(dst, chunks)
-        else:
-            with open(dst, "xb") as fo:
-                for chunk in chunks:
-                    fo.write(chunk)
-                os.fsync(fo.fileno())
+        durable.write(dst, data.chunks() if isinstance(data, SplicedText) else (data,))
         adv_write(len(data))
         fault_point("metadata")
         d = digest_file(dst)

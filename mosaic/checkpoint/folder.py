@@ -21,13 +21,12 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import attrgetter
 from pathlib import Path, PurePosixPath
 
 from mosaic.checkpoint.jsonfile import load_json, load_json_digest
 from mosaic.checkpoint.qconfig import EntrySummary, read_partial, read_qconfig
 from mosaic.errors import CheckpointError
-from mosaic.formats.safetensors_reader import ShardHeader, TensorInfo, read_header
+from mosaic.formats.safetensors_reader import ShardHeader, TensorInfo, read_header, tensor_shards
 
 __all__ = ["Checkpoint", "bulk", "check_relative_name", "list_files", "load_json", "open_checkpoint",
            "read_small_tensors", "text_config"]
@@ -199,9 +198,6 @@ def list_files(root: Path) -> list[str]:
     return sorted(out)
 
 
-_NAME = attrgetter("name")
-
-
 def _shard_sort_key(name: str) -> tuple[int, str]:
     m = _SHARD_RE.match(name)
     return (int(m.group(1)) if m else 1 << 30, name)
@@ -263,12 +259,8 @@ def open_checkpoint(
         weight_map = {k: v for k, v in weight_map.items() if v in wanted}
     known_headers = headers or {}
     headers = {s: known_headers[s] if s in known_headers else read_header(rootp / s) for s in shards}
-    # each shard's names are unique (its header's strict parse): the shards together are when the
-    # merged map is as long as all of them, else the slow pass names the first tensor in two shards
-    tensor_file: dict[str, str] = {}
-    for s in shards:
-        tensor_file.update(dict.fromkeys(map(_NAME, headers[s].tensors), s))
-    if len(tensor_file) != sum(len(headers[s].tensors) for s in shards):
+    tensor_file = tensor_shards(headers)
+    if tensor_file is None:  # a tensor in two shards: name the first
         seen: dict[str, str] = {}
         for s in shards:
             for t in headers[s].tensors:

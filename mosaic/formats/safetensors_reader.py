@@ -26,7 +26,7 @@ import math
 import operator
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from pathlib import Path
@@ -482,6 +482,19 @@ _SHAPE_OF = operator.itemgetter("shape")
 _OFFSETS_OF = operator.itemgetter("data_offsets")
 _FIRST = operator.itemgetter(0)
 _SECOND = operator.itemgetter(1)
+
+
+def tensor_shards(headers: Mapping[str, ShardHeader]) -> dict[str, str] | None:
+    """Every tensor's name → the shard that holds it, made a shard at a time at C speed; None when
+    a name is in two shards (each header's own names are unique, so the merged map is then short),
+    for the caller to name the tensor its own way."""
+    out: dict[str, str] = {}
+    for shard, h in headers.items():
+        out.update(dict.fromkeys(map(_TENSOR_NAME, h.tensors), shard))
+    return out if len(out) == sum(len(h.tensors) for h in headers.values()) else None
+
+
+_TENSOR_NAME = operator.attrgetter("name")
 
 
 # --- entry points --------------------------------------------------------------------------------
