@@ -19,21 +19,12 @@ demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/python -m mosaic.demo $(DEMO)
 
-# The runtime extra (llama-cpp-python, for the GGUF runtime test) compiles llama.cpp: the wheel is built
-# once, CPU-only and portable, into $(WHEELHOUSE), and every later venv installs it from there.
-RUNTIME    := $(VENV)/.runtime
-WHEELHOUSE ?= $(HOME)/.cache/mosaic/wheels
-LLAMA_CPP  := llama-cpp-python>=0.3.16,<0.4
-LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF \
-	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF
+# The runtime extra (cyllama: llama.cpp as a prebuilt wheel, nothing compiles) for mosaic eval, mosaic measure
+# and the GGUF runtime tests.
+RUNTIME := $(VENV)/.runtime
 
 $(RUNTIME): $(STAMP)
-	mkdir -p $(WHEELHOUSE)
-	@ls $(WHEELHOUSE)/llama_cpp_python-*.whl >/dev/null 2>&1 || \
-		echo "building the llama-cpp-python wheel once into $(WHEELHOUSE) (it compiles llama.cpp: 7-15 minutes on 2 cores)"
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(BIN)/python -m pip wheel --quiet --prefer-binary --no-deps --find-links $(WHEELHOUSE) -w $(WHEELHOUSE) '$(LLAMA_CPP)'
-	$(BIN)/python -m pip install --quiet --prefer-binary --find-links $(WHEELHOUSE) -e '.[dev,runtime]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,runtime]'
 	touch $(RUNTIME)
 
 runtime: $(RUNTIME)

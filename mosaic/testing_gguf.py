@@ -32,6 +32,7 @@ class Geometry:
     n_expert: int = 0
     n_expert_used: int = 0
     context: int = 256
+    n_vocab: int = N_VOCAB  # above N_VOCAB, the rest are [PAD{i}] pieces (a large-vocabulary model)
 
 
 def float_tensors(geo: Geometry, seed: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -45,7 +46,7 @@ def float_tensors(geo: Geometry, seed: int) -> Iterator[tuple[str, np.ndarray]]:
     def norm() -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(geo.n_embd)).astype(np.float32)
 
-    yield "token_embd.weight", w(N_VOCAB, geo.n_embd, scale=0.5)
+    yield "token_embd.weight", w(geo.n_vocab, geo.n_embd, scale=0.5)
     for i in range(geo.n_layer):
         p = f"blk.{i}."
         yield p + "attn_norm.weight", norm()
@@ -64,7 +65,7 @@ def float_tensors(geo: Geometry, seed: int) -> Iterator[tuple[str, np.ndarray]]:
             yield p + "ffn_up.weight", w(geo.n_ff, geo.n_embd)
             yield p + "ffn_down.weight", w(geo.n_embd, geo.n_ff)
     yield "output_norm.weight", norm()
-    yield "output.weight", w(N_VOCAB, geo.n_embd, scale=0.3)
+    yield "output.weight", w(geo.n_vocab, geo.n_embd, scale=0.3)
 
 
 def _keeps_float(name: str, arr: np.ndarray) -> bool:
@@ -119,7 +120,8 @@ def write_llama_gguf(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(geo.n_embd // geo.n_head)
     w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(N_VOCAB)
+    n_vocab = geo.n_vocab
+    w.add_vocab_size(n_vocab)
     if geo.n_expert:
         w.add_expert_count(geo.n_expert)
         w.add_expert_used_count(geo.n_expert_used or 2)
@@ -127,11 +129,11 @@ def write_llama_gguf(
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     pieces = _PIECES if vocab_pieces is None else vocab_pieces
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
-    tokens += [f"[PAD{i}]" for i in range(N_VOCAB - len(tokens))]
+    tokens += [f"[PAD{i}]" for i in range(n_vocab - len(tokens))]
     w.add_tokenizer_model("llama")
-    w.add_token_list(tokens[:N_VOCAB])
-    w.add_token_scores([0.0, 0.0, 0.0, *([0.0] * 256), *(-float(i) for i in range(N_VOCAB - 259))])
-    w.add_token_types([2, 3, 3, *([6] * 256), *([1] * (N_VOCAB - 259))])
+    w.add_token_list(tokens[:n_vocab])
+    w.add_token_scores([0.0, 0.0, 0.0, *([0.0] * 256), *(-float(i) for i in range(n_vocab - 259))])
+    w.add_token_types([2, 3, 3, *([6] * 256), *([1] * (n_vocab - 259))])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)

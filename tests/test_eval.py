@@ -3,10 +3,10 @@
 The models are two quantizations of one small mixture-of-experts model written by gguf-py: a base whose
 tensors are Q4_0 and a donor of the same weights at Q8_0, and a mosaic of the base taking layer 1's
 experts from the donor (assembled independently with gguf-py). The numbers are checked against a
-direct numpy computation from llama.cpp's own logits. llama-cpp-python compiles llama.cpp when
-installed (`make test` installs it once); outside CI this module skips with the reason when it is
-missing; under CI=true a missing runtime fails the run. The EXL3 backend needs a CUDA GPU: its test
-runs only where one is present.
+direct numpy computation from llama.cpp's own logits of whole windows. The runtime is the `runtime`
+extra (a prebuilt wheel, which `make test` installs); outside CI this module skips with the reason when
+no runtime is installed; under CI=true a missing runtime fails the run. The EXL3 backend needs a CUDA GPU:
+its test runs only where one is present.
 """
 
 from __future__ import annotations
@@ -35,20 +35,20 @@ ROWS = [
 CTX = 16
 
 
-def _llama_cpp():  # type: ignore[no-untyped-def]
-    try:
-        import llama_cpp
-    except ImportError as e:
-        reason = f"llama-cpp-python is not installed ({e}); `make test` installs it (pip install -e '.[runtime]')"
+def runtime():  # type: ignore[no-untyped-def]
+    from mosaic.eval.runtime import available, get_runtime
+
+    if not available():
+        reason = "no llama.cpp runtime is installed; `make test` installs the runtime extra (pip install -e '.[runtime]')"
         if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: mosaic eval's tests need llama-cpp-python: {reason}")
+            pytest.fail(f"CI=true: mosaic eval's tests need a runtime: {reason}")
         pytest.skip(reason)
-    return llama_cpp
+    return get_runtime()
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    _llama_cpp()
+    runtime()
     d = tmp_path_factory.mktemp("eval-models")
     base = write_llama_gguf(d / "base-q4.gguf", qtype="Q4_0", seed=11, geometry=GEO)
     donor = write_llama_gguf(d / "donor-q8.gguf", qtype="Q8_0", seed=11, geometry=GEO)
@@ -63,25 +63,28 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"base": base[0], "donor": donor[0], "mosaic": mosaic, "other": other_tok[0], "text": text, "jsonl": jsonl}
 
 
+def whole_window_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """llama.cpp's logits of a whole window decoded in one batch, float64, every position."""
+    m = runtime().load(path, ctx=CTX, batch=CTX)
+    try:
+        return np.array(m.decode(tokens, 0), dtype=np.float64)
+    finally:
+        m.close()
+
+
 def direct(models: dict[str, Path], candidate: str, teacher: str = "donor") -> dict[str, object]:
     """The panel computed here from llama.cpp's logits with numpy alone: exact KL, top-1, NLL, per row."""
-    llama_cpp = _llama_cpp()
-
-    def open_(p: Path):  # type: ignore[no-untyped-def]
-        return llama_cpp.Llama(model_path=str(p), n_ctx=CTX, n_batch=CTX, n_ubatch=CTX, logits_all=True, verbose=False,
-                               n_threads=os.cpu_count() or 1, seed=0)
-
-    t, c = open_(models[teacher]), open_(models[candidate])
+    t_model = runtime().load(models[teacher], ctx=CTX, batch=CTX)
+    try:
+        row_tokens = [t_model.tokenize(text) for text in ROWS]
+    finally:
+        t_model.close()
     rows = []
-    for text in ROWS:
-        toks = t.tokenize(text.encode(), add_bos=True)
+    for toks in row_tokens:
         kl, agree, nll = [], [], []
         for w in windows(toks, CTX):
-            for llm in (t, c):
-                llm.reset()
-                llm.eval(w)
-            tl = np.array(t.scores[: len(w)], dtype=np.float64)[:-1]
-            cl = np.array(c.scores[: len(w)], dtype=np.float64)[:-1]
+            tl = whole_window_logits(models[teacher], w)[:-1]
+            cl = whole_window_logits(models[candidate], w)[:-1]
             tp = tl - np.log(np.exp(tl - tl.max(1, keepdims=True)).sum(1, keepdims=True)) - tl.max(1, keepdims=True)
             cp = cl - np.log(np.exp(cl - cl.max(1, keepdims=True)).sum(1, keepdims=True)) - cl.max(1, keepdims=True)
             kl += list((np.exp(tp) * (tp - cp)).sum(1))
@@ -247,3 +250,216 @@ def test_a_reference_with_a_bad_header_is_refused(tmp_path: Path) -> None:
                      top_ids=np.zeros((0, 2), np.int32), top_lp=np.zeros((0, 2), np.float32))
         with pytest.raises(MosaicError):
             load_reference(p)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    r = CliRunner().invoke(main, list(args))
+    return r.exit_code, r.stdout, r.stderr
+
+
+def _one_line_error(code: int, err: str) -> None:
+    assert code == 2, err
+    assert err.startswith("mosaic: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("cut", [100, 4000, -1000])
+@pytest.mark.parametrize("role", ["candidate", "reference"])
+def test_a_truncated_gguf_is_one_error_line_before_the_runtime_sees_it(models: dict[str, Path], tmp_path: Path,
+                                                                        cut: int, role: str) -> None:
+    data = models["base"].read_bytes()
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(data[:cut])
+    cand, ref = (bad, models["donor"]) if role == "candidate" else (models["base"], bad)
+    code, _, err = _cli("eval", str(cand), "--reference", str(ref), "--text", str(models["text"]), "--ctx", str(CTX))
+    _one_line_error(code, err)
+    assert str(bad) in err
+
+
+def test_not_a_model_is_one_error_line(models: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf at all")
+    (tmp_path / "empty").mkdir()
+    for cand in (tmp_path / "x.gguf", tmp_path / "empty", tmp_path / "missing.gguf"):
+        code, _, err = _cli("eval", str(cand), "--reference", str(models["donor"]), "--text", str(models["text"]))
+        _one_line_error(code, err)
+
+
+def test_a_ctx_above_the_models_context_length_is_refused_naming_both(models: dict[str, Path]) -> None:
+    code, _, err = _cli("eval", str(models["base"]), "--reference", str(models["donor"]), "--text", str(models["text"]),
+                        "--ctx", str(GEO.context * 4))
+    _one_line_error(code, err)
+    assert f"--ctx {GEO.context * 4}" in err and f"llama.context_length, {GEO.context}" in err
+
+
+def test_what_the_runtime_still_refuses_is_one_error_line(models: dict[str, Path], tmp_path: Path) -> None:
+    """A file the strict reader accepts but llama.cpp cannot build a model from (an architecture it lacks)."""
+    data = models["donor"].read_bytes()
+    key = b"general.architecture" + (8).to_bytes(4, "little") + (5).to_bytes(8, "little")
+    assert data.count(key + b"llama") == 1
+    odd = tmp_path / "odd.gguf"
+    odd.write_bytes(data.replace(key + b"llama", key + b"llamx"))
+    code, _, err = _cli("eval", str(odd), "--reference", str(models["donor"]), "--text", str(models["text"]), "--ctx", str(CTX))
+    _one_line_error(code, err)
+    assert "llama.cpp could not load the model" in err and str(odd) in err
+
+
+def test_a_tokenizer_mismatch_says_in_words_what_differs(models: dict[str, Path], tmp_path: Path) -> None:
+    code, _, err = _cli("eval", str(models["other"]), "--reference", str(models["donor"]), "--text", str(models["text"]),
+                        "--ctx", str(CTX))
+    _one_line_error(code, err)
+    assert "token pieces" in err and "{" not in err
+    big = write_llama_gguf(tmp_path / "bigger-vocab.gguf", qtype="Q8_0", seed=11,
+                           geometry=Geometry(**{**GEO.__dict__, "n_vocab": N_VOCAB + 16}))[0]
+    code, _, err = _cli("eval", str(big), "--reference", str(models["donor"]), "--text", str(models["text"]), "--ctx", str(CTX))
+    _one_line_error(code, err)
+    assert f"vocabulary size is {N_VOCAB + 16}, the reference's {N_VOCAB}" in err
+
+
+# ------------------------------------------------------------------------------------- what reaches the user
+
+
+def _subprocess_eval(*args: str) -> tuple[int, str, str]:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "mosaic.cli", "eval", *args], capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_the_runtimes_log_lines_never_reach_the_terminal_unless_verbose(models: dict[str, Path]) -> None:
+    """In a real process (the runtime writes to file descriptor 2, which CliRunner does not capture)."""
+    args = (str(models["base"]), "--reference", str(models["donor"]), "--text", str(models["text"]), "--ctx", str(CTX))
+    code, out, err = _subprocess_eval(*args)
+    assert code == 0, err
+    assert err == ""
+    assert "llama_" not in out and "load_tensors" not in out and "reference" in out
+    code, _, err = _subprocess_eval(*args, "--verbose")
+    assert code == 0 and "llama_model_loader" in err
+
+
+def test_a_teacher_saved_alone_with_no_candidate(models: dict[str, Path], tmp_path: Path) -> None:
+    saved = tmp_path / "teacher.npz"
+    code, out, err = _cli("eval", "--reference", str(models["donor"]), "--text", str(models["text"]), "--ctx", str(CTX),
+                          "--save-reference", str(saved), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["candidates"] == [] and doc["comparisons"] == [] and doc["saved_reference"] == str(saved)
+    assert doc["positions"] > 0 and saved.is_file()
+    later = run(models, ["base"], saved)
+    live = run(models, ["base"], models["donor"], ctx=CTX)
+    assert later["candidates"][0]["top1"] == live["candidates"][0]["top1"]
+    code, _, err = _cli("eval", "--reference", str(models["donor"]), "--text", str(models["text"]))
+    _one_line_error(code, err)
+    assert "CANDIDATE" in err and "--save-reference" in err
+
+
+def test_what_ran_is_recorded_and_another_runtimes_reference_is_accepted_and_said_so(models: dict[str, Path],
+                                                                                      tmp_path: Path) -> None:
+    from mosaic.eval.reference import load_reference
+
+    rt = runtime().info
+    saved = tmp_path / "teacher.npz"
+    doc = run(models, ["base"], models["donor"], ctx=CTX, save_reference=saved)
+    assert doc["runtime"] == {"name": rt.name, "version": rt.version, "llama_cpp": rt.llama_cpp, "threads": rt.threads}
+    assert doc["runtime"]["threads"] >= 1 and doc["runtime"]["llama_cpp"] not in ("", "unknown")
+    ref = load_reference(saved)
+    assert ref.runtime == doc["runtime"]
+    same = run(models, ["base"], saved)
+    assert same["notes"] == [] and same["reference_runtime"] == doc["runtime"]
+    # the same reference as another runtime would have saved it
+    ref.runtime = {"name": "llama-cpp-python", "version": "0.3.16", "llama_cpp": "b6000", "threads": 8}
+    other = tmp_path / "other-runtime.npz"
+    ref.save(other)
+    doc = run(models, ["base"], other)
+    assert doc["candidates"][0]["top1"] == same["candidates"][0]["top1"]
+    (note,) = doc["notes"]
+    assert "llama-cpp-python 0.3.16" in note and rt.name in note
+    r = CliRunner().invoke(main, ["eval", str(models["base"]), "--reference", str(other), "--text", str(models["text"])])
+    assert r.exit_code == 0 and "note: the reference was saved by llama-cpp-python" in r.stdout
+    # a reference of an earlier mosaic, with no runtime recorded
+    ref.runtime = None
+    old = tmp_path / "old.npz"
+    ref.save(old)
+    assert "without a record of its runtime" in run(models, ["base"], old)["notes"][0]
+
+
+def test_batches_smaller_than_a_window_give_the_whole_windows_numbers(models: dict[str, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = run(models, ["base", "mosaic"], models["donor"], ctx=CTX)
+    import mosaic.eval.backends as backends
+    import mosaic.eval.run as run_mod
+
+    monkeypatch.setattr(backends, "MAX_BATCH", 5)
+    monkeypatch.setattr(backends, "MIN_BATCH", 1)
+    monkeypatch.setattr(run_mod, "CHUNK_FLOATS", 3 * N_VOCAB)  # three positions of float64 at a time
+    small = run(models, ["base", "mosaic"], models["donor"], ctx=CTX)
+    assert small["batch"] == 5 and whole["batch"] == CTX
+    for a, b in zip(whole["candidates"], small["candidates"]):
+        assert b["positions"] == a["positions"]
+        assert b["kl"]["mean"] == pytest.approx(a["kl"]["mean"], rel=1e-6, abs=1e-9)
+        assert b["nll"] == pytest.approx(a["nll"], rel=1e-7)
+        assert b["top1"] == a["top1"]
+
+
+def test_the_llama_cpp_python_binding_gives_the_same_panel(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a user has llama-cpp-python (it compiles llama.cpp, so `make test` does not install it)."""
+    from mosaic.eval.runtime import available
+
+    if "llama-cpp-python" not in available():
+        pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python compiles llama.cpp); "
+                    "the default runtime is tested above")
+    default = run(models, ["base", "mosaic"], models["donor"], ctx=CTX)
+    monkeypatch.setenv("MOSAIC_RUNTIME", "llama-cpp-python")
+    other = run(models, ["base", "mosaic"], models["donor"], ctx=CTX)
+    assert other["runtime"]["name"] == "llama-cpp-python"
+    for a, b in zip(default["candidates"], other["candidates"]):
+        assert b["positions"] == a["positions"]
+        assert b["kl"]["mean"] == pytest.approx(a["kl"]["mean"], rel=1e-3, abs=1e-6)
+        assert b["nll"] == pytest.approx(a["nll"], rel=1e-4)
+
+
+_PEAK = """
+import resource, sys
+from mosaic.cli.commands import main
+try:
+    main(sys.argv[1:], standalone_mode=False)
+finally:
+    print("PEAK", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
+"""
+
+
+def _peak_rss(*args: str) -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _PEAK, "eval", *args], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    return int(p.stderr.split("PEAK ")[-1])
+
+
+def test_peak_memory_does_not_grow_with_ctx_row_length_or_rows(tmp_path: Path) -> None:
+    """A large vocabulary, one row of ~4,750 tokens: ctx 4096 against ctx 512, and the same words as 8 rows.
+    Decoding a whole window at once would hold 4096 × 16,384 float32 logits per model (256 MiB) and more again
+    as float64; a batch at a time holds 512 × 16,384 (32 MiB) whatever the window. (Rows shorter than a batch
+    touch less of the batch's buffers, so the rows compared here are all longer than one batch.)"""
+    runtime()
+    geo = Geometry(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=32, context=8192, n_vocab=16384)
+    teacher = write_llama_gguf(tmp_path / "t.gguf", qtype="Q8_0", seed=3, geometry=geo)[0]
+    cand = write_llama_gguf(tmp_path / "c.gguf", qtype="Q4_0", seed=3, geometry=geo)[0]
+    sentence = "the mosaic model is a byte of the model and a mosaic"  # 50 tokens
+    one = tmp_path / "one.txt"
+    one.write_text(" ".join([sentence] * 95) + "\n")
+    many = tmp_path / "many.txt"
+    many.write_text("".join(" ".join([sentence] * 12) + "\n" for _ in range(8)))
+    common = (str(cand), "--reference", str(teacher), "--json")
+    long_window = _peak_rss(*common, "--text", str(one), "--ctx", "4096")
+    short_window = _peak_rss(*common, "--text", str(one), "--ctx", "512")
+    short_rows = _peak_rss(*common, "--text", str(many), "--ctx", "512")
+    tokens = json.loads(_cli("eval", *common, "--text", str(one), "--ctx", "4096")[1])["tokens"]
+    assert 4096 < tokens < 6000
+    mib = 1 << 20
+    assert abs(long_window - short_window) < 48 * mib, (long_window / mib, short_window / mib)
+    assert abs(short_rows - short_window) < 48 * mib, (short_rows / mib, short_window / mib)

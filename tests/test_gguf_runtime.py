@@ -1,12 +1,11 @@
-"""A real runtime: llama.cpp (through llama-cpp-python) loads a GGUF mosaic and computes with it.
+"""A real runtime: llama.cpp (through the `runtime` extra) loads a GGUF mosaic and computes with it.
 
 The mosaic's logits for a prompt must equal, exactly, those of the same model assembled independently
 by gguf-py, and differ from the base's (the donor's tensors are really used). The mosaic is split
 like ``llama-gguf-split`` and loaded by its first part, as llama.cpp users load split models.
 
-llama-cpp-python compiles llama.cpp when installed (``make test`` installs it once, as the
-``runtime`` extra, and keeps the wheel). Outside CI this module skips with the reason when it is
-missing; under ``CI=true`` a missing runtime fails the run.
+``make test`` installs the ``runtime`` extra (a prebuilt wheel). Outside CI this module skips with the
+reason when no runtime is installed; under ``CI=true`` a missing runtime fails the run.
 """
 
 from __future__ import annotations
@@ -23,27 +22,24 @@ from mosaic.testing_gguf import N_VOCAB, Geometry, assemble_with_ggufpy, write_l
 PROMPT = [1, 260, 75, 104, 111, 111, 114, 266, 263, 47, 270, 36]  # <s>, word pieces and byte tokens (all < N_VOCAB)
 
 
-def _llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError as e:
-        reason = f"llama-cpp-python is not installed ({e}); `make test` installs it (pip install -e '.[runtime]')"
+def _runtime():  # type: ignore[no-untyped-def]
+    from mosaic.eval.runtime import available, get_runtime
+
+    if not available():
+        reason = "no llama.cpp runtime is installed; `make test` installs the runtime extra (pip install -e '.[runtime]')"
         if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: the GGUF runtime test needs llama-cpp-python: {reason}")
+            pytest.fail(f"CI=true: the GGUF runtime test needs a runtime: {reason}")
         pytest.skip(reason)
-    return llama_cpp
+    return get_runtime()
 
 
 def logits(path: Path) -> np.ndarray:
-    """llama.cpp's logits for every position of PROMPT, on the CPU, deterministic thread count."""
-    llama_cpp = _llama_cpp()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=2, n_gpu_layers=0,
-                          logits_all=True, verbose=False, seed=0)
+    """llama.cpp's logits for every position of PROMPT, on the CPU, loaded by the (first) file's name."""
+    m = _runtime().load(path, ctx=64, batch=64)
     try:
-        llm.eval(PROMPT)
-        out = np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
+        out = np.array(m.decode(PROMPT, 0), dtype=np.float32)
     finally:
-        llm.close()
+        m.close()
     assert out.shape == (len(PROMPT), N_VOCAB)
     assert np.isfinite(out).all()
     return out
@@ -55,7 +51,7 @@ def logits(path: Path) -> np.ndarray:
     ids=["dense", "moe"],
 )
 def test_llama_cpp_runs_the_mosaic_as_the_independently_assembled_model(tmp_path: Path, geometry: Geometry, modules: str) -> None:
-    _llama_cpp()
+    _runtime()
     base = write_llama_gguf(tmp_path / "base" / "m-Q4_0.gguf", qtype="Q4_0", geometry=geometry)
     donor = write_llama_gguf(tmp_path / "q8" / "m-Q8_0.gguf", qtype="Q8_0", geometry=geometry, split_max_size=80_000)
     recipe = tmp_path / "r.yaml"

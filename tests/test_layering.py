@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     "sign": {"audit", "records", "signature"},
     "publish": {"audit", "hub", "records", "signature"},
     "rebuild": {"build", "formats", "hub", "recipe", "records"},
-    "eval": {"formats"},
+    "eval": {"formats", "checkpoint"},
     "cli": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records", "build", "gguf", "audit",
             "plan", "signature", "sign", "publish", "rebuild", "gguf_sources", "gguf_select", "eval"},
     "testing": {"formats", "checkpoint"},

@@ -482,7 +482,7 @@ def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | 
 
 
 @main.command("eval")
-@click.argument("candidates", nargs=-1, required=True, metavar="CANDIDATE...")
+@click.argument("candidates", nargs=-1, metavar="[CANDIDATE...]")
 @click.option("--reference", "reference", required=True, metavar="REF",
               help="The teacher: a model (GGUF file or folder, EXL3 folder), or a reference saved with --save-reference (.npz).")
 @click.option("--text", "text", required=True, type=click.Path(path_type=Path),
@@ -491,11 +491,14 @@ def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | 
 @click.option("--top-k", "top_k", type=click.IntRange(1, 1 << 16), default=None,
               help="Teacher log-probabilities kept per position (default 32, or the saved reference's).")
 @click.option("--save-reference", "save_reference", type=click.Path(path_type=Path), default=None,
-              help="Keep the live teacher's top-k (with the text's digest and the tokenizer's identity) in this .npz file.")
+              help="Keep the live teacher's top-k (with the text's digest, the tokenizer's identity and the runtime) in this "
+                   ".npz file; with no CANDIDATE, the teacher alone runs.")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="Runtime threads (default: every core).")
+@click.option("--verbose", is_flag=True, help="Show the runtime's own log lines on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
 def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int | None, top_k: int | None,
-             save_reference: Path | None, as_json: bool) -> None:
+             save_reference: Path | None, threads: int | None, verbose: bool, as_json: bool) -> None:
     """Score CANDIDATEs against a teacher on the same tokens: the quality panel of a mosaic.
 
     Per candidate: top-1 agreement with the teacher, KL(teacher || candidate) (exact with a live teacher,
@@ -507,7 +510,7 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
     from mosaic.eval.run import EvalRequest, evaluate
     from mosaic.progress import reporter
 
-    req = EvalRequest(list(candidates), reference, text, ctx, top_k, save_reference)
+    req = EvalRequest(list(candidates), reference, text, ctx, top_k, save_reference, verbose=verbose, threads=threads)
     with reporter(False if as_json else None, unit="tokens") as progress:
         doc = evaluate(req, progress)
     if as_json:

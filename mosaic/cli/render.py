@@ -318,16 +318,25 @@ def render_rebuild(console: Console, res: RebuildResult) -> None:
 def render_eval(console: Console, doc: dict) -> None:
     console.print(f"[bold]reference[/bold] {lit(doc['reference'])} ({lit(doc['reference_kind'])}); "
                   f"{doc['rows']} rows, {doc['tokens']:,} tokens, {doc['positions']:,} positions, windows of {doc['ctx']}")
-    kind = "KL" if doc["candidates"] and doc["candidates"][0]["kl"]["exact"] else "KL lower bound"
-    t = Table(show_edge=False)
-    for col in ("candidate", "top-1", f"{kind} mean", "p50", "p95", "p99", "max", "NLL"):
-        t.add_column(col, justify="left" if col == "candidate" else "right")
-    for c in doc["candidates"]:
-        k = c["kl"]
-        t.add_row(lit(c["model"]), f"{c['top1']:.5f}", f"{k['mean']:.5f}", f"{k['p50']:.4g}", f"{k['p95']:.4g}",
-                  f"{k['p99']:.4g}", f"{k['max']:.4g}", f"{c['nll']:.5f}")
-    console.print(t)
+    rt = doc.get("runtime")
+    if rt:
+        console.print(f"runtime {lit(rt['name'])} {lit(rt['version'])} (llama.cpp {lit(rt['llama_cpp'])}), "
+                      f"{rt['threads']} threads, batches of {doc['batch']}")
+    for note in doc.get("notes", []):
+        console.print(f"note: {lit(note)}")
+    if doc["candidates"]:
+        kind = "KL" if doc["candidates"][0]["kl"]["exact"] else "KL lower bound"
+        t = Table(show_edge=False)
+        for col in ("candidate", "top-1", f"{kind} mean", "p50", "p95", "p99", "max", "NLL"):
+            t.add_column(col, justify="left" if col == "candidate" else "right")
+        for c in doc["candidates"]:
+            k = c["kl"]
+            t.add_row(lit(c["model"]), f"{c['top1']:.5f}", f"{k['mean']:.5f}", f"{k['p50']:.4g}", f"{k['p95']:.4g}",
+                      f"{k['p99']:.4g}", f"{k['max']:.4g}", f"{c['nll']:.5f}")
+        console.print(t)
     for cmp in doc["comparisons"]:
         parts = [f"{name}: {cmp[key]['improved']} improve, {cmp[key]['regressed']} regress"
                  for key, name in (("top1", "top-1"), ("kl", "KL"), ("nll", "NLL"))]
         console.print(f"{lit(cmp['from'])} → {lit(cmp['to'])} over {doc['rows']} rows: " + "; ".join(parts))
+    if doc.get("saved_reference"):
+        console.print(f"saved the teacher's top-{doc['top_k']} to {lit(doc['saved_reference'])}")

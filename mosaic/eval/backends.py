@@ -1,83 +1,133 @@
-"""The runtimes that give the panel its logits: llama.cpp (``llama-cpp-python``) for GGUF, on the CPU;
-exllamav3 for EXL3 folders, through the optional ``exl3`` extra, on a CUDA GPU.
+"""The models the panel scores: GGUF through a llama.cpp runtime (:mod:`.runtime`) on the CPU, EXL3 through
+exllamav3 (the optional ``exl3`` extra) on a CUDA GPU.
 
-A backend tokenizes with the model's own tokenizer and returns, for a window of tokens, the
-logits of the next token at every position (the panel takes their log-softmax in float64). Each window starts from an empty context.
+A backend tokenizes with the model's own tokenizer and hands back a window's next-token logits a batch of
+positions at a time (:meth:`Backend.window`), each window from an empty context, so that memory does not
+grow with the window or the text. A GGUF model is read by mosaic's strict GGUF reader before a runtime is
+handed the file: a truncated or foreign file, a split set with a part missing, or a window longer than the
+model's ``<arch>.context_length`` is one clear error, not a runtime's crash.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+from mosaic.checkpoint.gguf_model import GGUFModel, find_model_files, open_gguf_model
 from mosaic.errors import MosaicError, SourceError
+from mosaic.eval.runtime import LoadedModel, Runtime
+
+#: Logit floats one batch hands back (the runtime's output buffer): bounds memory at any vocabulary
+#: (512 positions at 49,152 tokens, 128 at 262,144).
+BATCH_LOGITS = 1 << 25
+MAX_BATCH = 512
+MIN_BATCH = 16
+
+
+def batch_size(ctx: int, n_vocab: int) -> int:
+    """Positions decoded at once: at most :data:`MAX_BATCH`, fewer at large vocabularies, never above ``ctx``."""
+    return max(1, min(ctx, MAX_BATCH, max(MIN_BATCH, BATCH_LOGITS // max(1, n_vocab))))
 
 
 class Backend(Protocol):
     name: str
+    n_vocab: int
 
     def tokenize(self, text: str) -> list[int]: ...
 
-    def logits(self, tokens: list[int]) -> np.ndarray: ...
-
     def tokenizer_identity(self) -> dict: ...
 
+    def window(self, tokens: list[int]) -> Iterator[np.ndarray]: ...
 
-def gguf_file(path: Path) -> Path | None:
-    """The model file llama.cpp opens: a ``.gguf`` (the first of a split set), or the one model in a folder."""
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir():
-        files = sorted(p for p in path.glob("*.gguf"))
-        firsts = [p for p in files if "-00001-of-" in p.name] or files
-        if len(firsts) == 1:
-            return firsts[0]
-    return None
+    def close(self) -> None: ...
 
 
-class LlamaCppBackend:
-    def __init__(self, path: Path, ctx: int) -> None:
-        try:
-            from llama_cpp import Llama
-        except ImportError:
-            raise MosaicError(
-                "mosaic eval of GGUF models needs llama-cpp-python: pip install 'mosaic[runtime]' (it compiles llama.cpp)"
-            ) from None
-        f = gguf_file(path)
-        if f is None:
-            raise SourceError(f"{path}: not a .gguf file nor a folder holding one GGUF model")
-        self.name = str(path)
-        self.path = f
-        self._llm = Llama(model_path=str(f), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, logits_all=True, verbose=False,
-                          n_threads=os.cpu_count() or 1, seed=0)
+@dataclass(frozen=True)
+class GGUFCheck:
+    """What the strict reader says of a GGUF model before any runtime opens it."""
+
+    model: GGUFModel
+    first: Path
+    n_vocab: int | None
+    context_length: int | None
+
+
+def check_gguf(path: str | Path) -> GGUFCheck:
+    """Read every file of the model ``path`` names strictly (headers, split keys, sizes); no tensor data."""
+    p = Path(path)
+    try:
+        root, files = find_model_files(p)
+    except SourceError as e:
+        raise SourceError(f"{e} (a GGUF model is a .gguf file, the first file of a split set, or a folder holding one)") from None
+    model = open_gguf_model(root / files[0])
+    arch = model.architecture
+    ctx_len = model.first.value(f"{arch}.context_length")
+    tokens = model.first.value("tokenizer.ggml.tokens")
+    return GGUFCheck(model, root / files[0],
+                     len(tokens) if isinstance(tokens, list) else None,
+                     ctx_len if isinstance(ctx_len, int) and not isinstance(ctx_len, bool) else None)
+
+
+def check_context(check: GGUFCheck, ctx: int, name: str) -> None:
+    if check.context_length is not None and ctx > check.context_length:
+        arch = check.model.architecture
+        raise SourceError(f"{name}: --ctx {ctx} is above the model's {arch}.context_length, {check.context_length}")
+
+
+def identity_difference(got: dict, want: dict) -> str | None:
+    """In words, the first property in which two tokenizer identities differ (``None`` if they agree)."""
+    words = {"n_vocab": "vocabulary size", "model": "tokenizer model (tokenizer.ggml.model)",
+             "pre": "pre-tokenizer (tokenizer.ggml.pre)", "vocab_sha256": "token pieces (their SHA-256)"}
+    for key, what in words.items():
+        if key in got or key in want:
+            a, b = got.get(key), want.get(key)
+            if a != b:
+                return f"its {what} is {a!r}, the reference's {b!r}"
+    extra = sorted(set(got) ^ set(want))
+    return f"its tokenizer identity has different fields ({', '.join(extra)})" if extra else None
+
+
+class GGUFBackend:
+    """A GGUF model on a llama.cpp runtime; checked strictly first (:func:`check_gguf`)."""
+
+    def __init__(self, check: GGUFCheck, name: str, runtime: Runtime, ctx: int, batch: int) -> None:
+        self.name = name
+        self.path = check.first
+        self._model: LoadedModel = runtime.load(check.first, ctx=ctx, batch=batch)
+        self.n_vocab = self._model.n_vocab
+        self.batch = batch
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=False))
-
-    def logits(self, tokens: list[int]) -> np.ndarray:
-        self._llm.reset()
-        self._llm.eval(tokens)
-        return np.array(self._llm.scores[: len(tokens)], dtype=np.float32)
+        return self._model.tokenize(text)
 
     def tokenizer_identity(self) -> dict:
-        n = self._llm.n_vocab()
         h = hashlib.sha256()
-        for i in range(n):
-            piece = self._llm.detokenize([i], special=True)
+        for i in range(self.n_vocab):
+            piece = self._model.piece(i)
             h.update(len(piece).to_bytes(4, "little") + piece)
-        meta = self._llm.metadata
-        return {"n_vocab": n, "model": meta.get("tokenizer.ggml.model"), "pre": meta.get("tokenizer.ggml.pre"),
-                "vocab_sha256": h.hexdigest()}
+        return {"n_vocab": self.n_vocab, "model": self._model.meta("tokenizer.ggml.model"),
+                "pre": self._model.meta("tokenizer.ggml.pre"), "vocab_sha256": h.hexdigest()}
+
+    def window(self, tokens: list[int]) -> Iterator[np.ndarray]:
+        """Logits of ``tokens``' positions, ``batch`` at a time; each array is valid until the next one."""
+        self._model.clear()
+        for s in range(0, len(tokens), self.batch):
+            yield self._model.decode(tokens[s:s + self.batch], s)
+
+    def close(self) -> None:
+        self._model.close()
 
 
 class Exl3Backend:
-    """exllamav3 on a CUDA GPU (the ``exl3`` extra). Imported only when an EXL3 folder is evaluated."""
+    """exllamav3 on a CUDA GPU (the ``exl3`` extra). Imported only when an EXL3 folder is evaluated; a window
+    is computed on the GPU at once and handed back ``batch`` positions at a time."""
 
-    def __init__(self, path: Path, ctx: int) -> None:
+    def __init__(self, path: Path, ctx: int, batch: int) -> None:
         try:
             import torch
         except ImportError:
@@ -89,20 +139,23 @@ class Exl3Backend:
         except ImportError:
             raise MosaicError("mosaic eval of EXL3 folders needs exllamav3: pip install 'mosaic[exl3]'") from None
         self.name = str(path)
+        self.batch = batch
         self._torch = torch
         config = Config.from_directory(str(path))
         self._model = Model.from_config(config)
         self._model.load()
         self._tok = Tokenizer.from_config(config)
+        self.n_vocab = int(config.vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_bos=True).flatten().tolist()
 
-    def logits(self, tokens: list[int]) -> np.ndarray:
+    def window(self, tokens: list[int]) -> Iterator[np.ndarray]:
         ids = self._torch.tensor([tokens], dtype=self._torch.long)
         with self._torch.inference_mode():
-            out = self._model.forward(ids, {"attn_mode": "flash_attn_nc"})
-        return out[0].float().cpu().numpy()
+            out = self._model.forward(ids, {"attn_mode": "flash_attn_nc"})[0]
+        for s in range(0, len(tokens), self.batch):
+            yield out[s:s + self.batch].float().cpu().numpy()
 
     def tokenizer_identity(self) -> dict:
         pieces = self._tok.get_id_to_piece_list(True)
@@ -112,11 +165,9 @@ class Exl3Backend:
             h.update(len(b).to_bytes(4, "little") + b)
         return {"n_vocab": len(pieces), "vocab_sha256": h.hexdigest()}
 
+    def close(self) -> None:
+        self._model.unload()
 
-def open_backend(path: str | Path, ctx: int) -> Backend:
-    p = Path(path)
-    if gguf_file(p) is not None:
-        return LlamaCppBackend(p, ctx)
-    if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-        return Exl3Backend(p, ctx)
-    raise SourceError(f"{p}: neither a GGUF model (a .gguf file or a folder holding one) nor an EXL3 folder")
+
+def is_exl3_folder(p: Path) -> bool:
+    return p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))
