@@ -259,5 +259,20 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], jobs: int) -> list[R]
             f.cancel()
         raise
     finally:
-        ex.shutdown(wait=True)
-        CANCEL.clear()
+        _join(ex)
+
+
+def _join(ex: ThreadPoolExecutor) -> None:
+    """Wait for every worker, through a second Ctrl-C too: the caller removes a temporary folder only once
+    nothing writes into it any more. An interrupt during the wait is raised after it."""
+    interrupted = False
+    while True:
+        try:
+            ex.shutdown(wait=True)
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+            CANCEL.set()
+    CANCEL.clear()
+    if interrupted:
+        raise KeyboardInterrupt

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +65,24 @@ def copy_of(tmp_path: Path):
         return dst
 
     return copy
+
+
+def run_cli(args: list[str], fault: str | None = None, cwd: Path | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+    """``mosaic ARGS`` in a process of its own, as from a terminal (its Ctrl-C is not ignored), with an
+    optional ``MOSAIC_FAULT``."""
+    env = dict(os.environ)
+    env.pop("MOSAIC_FAULT", None)
+    if fault:
+        env["MOSAIC_FAULT"] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "mosaic.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+        # a terminal's Ctrl-C: the test runner may itself run with SIGINT ignored (a background job),
+        # which Python would otherwise inherit and honour
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )

@@ -322,10 +322,9 @@ def test_a_tokenizer_mismatch_says_in_words_what_differs(models: dict[str, Path]
 
 
 def _subprocess_eval(*args: str) -> tuple[int, str, str]:
-    import subprocess
-    import sys
+    from tests.conftest import run_cli
 
-    p = subprocess.run([sys.executable, "-m", "mosaic.cli", "eval", *args], capture_output=True, text=True, timeout=300)
+    p = run_cli(["eval", *args], timeout=300)
     return p.returncode, p.stdout, p.stderr
 
 

@@ -29,7 +29,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +39,7 @@ from mosaic.build import splice as splice_mod
 from mosaic.build.run import PARTIAL_TAG, build
 from mosaic.cli.commands import main
 from mosaic.testing import every_group_geometry, write_checkpoint
+from tests.conftest import run_cli
 
 from .conftest import tree_digest
 from .test_build import recipe_doc, write_recipe
@@ -64,24 +64,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "ref": tree_digest(ref),
         "sources": [tree_digest(base), tree_digest(donor)],
     }
-
-
-def run_cli(args: list[str], fault: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("MOSAIC_FAULT", None)
-    if fault:
-        env["MOSAIC_FAULT"] = fault
-    return subprocess.run(
-        [sys.executable, "-m", "mosaic.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        timeout=120,
-        # a terminal's Ctrl-C: the test runner may itself run with SIGINT ignored (a background job),
-        # which Python would otherwise inherit and honour
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
 
 
 def leftovers(parent: Path) -> list[str]:

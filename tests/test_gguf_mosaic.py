@@ -26,7 +26,7 @@ from mosaic.checkpoint.gguf_model import open_gguf_model
 from mosaic.cli.commands import main
 from mosaic.errors import MosaicError, RecipeError, SourceError
 from mosaic.testing_gguf import Geometry, assemble_with_ggufpy, write_llama_gguf
-from tests.conftest import tree_digest
+from tests.conftest import run_cli, tree_digest
 
 MOE = Geometry(n_layer=4, n_expert=4, n_expert_used=2)
 
@@ -362,10 +362,8 @@ def test_cli_build_json_then_audit_json(tmp_path: Path, models: Path) -> None:
 
 
 def test_interrupted_build_leaves_no_output(tmp_path: Path, models: Path) -> None:
-    env = {**os.environ, "MOSAIC_FAULT": "copy:3:kill"}
     out = tmp_path / "o"
-    r = subprocess.run([sys.executable, "-m", "mosaic.cli", "build", str(recipe(tmp_path, models, BASIC)), "--out", str(out)],
-                       env=env, capture_output=True, text=True)
+    r = run_cli(["build", str(recipe(tmp_path, models, BASIC)), "--out", str(out)], fault="copy:3:kill")
     assert r.returncode == -9
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".o.mosaic-partial-")]  # hidden, tagged
@@ -508,8 +506,7 @@ def test_stream_is_for_exl3_hub_sources(tmp_path: Path, models: Path) -> None:
                                                    ("fsync:2:int", 130, "mosaic: interrupted")])
 def test_failed_or_interrupted_build_removes_its_temporary_folder(tmp_path: Path, models: Path, fault: str, rc: int, says: str) -> None:
     out = tmp_path / "o"
-    r = subprocess.run([sys.executable, "-m", "mosaic.cli", "build", str(recipe(tmp_path, models, BASIC)), "--out", str(out)],
-                       env={**os.environ, "MOSAIC_FAULT": fault}, capture_output=True, text=True)
+    r = run_cli(["build", str(recipe(tmp_path, models, BASIC)), "--out", str(out)], fault=fault)
     assert (r.returncode, r.stderr.strip().splitlines()[-1]) == (rc, says), r.stderr
     assert "Traceback" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # no output, no temporary folder
