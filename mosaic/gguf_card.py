@@ -71,7 +71,8 @@ def render_block(doc: dict) -> str:
     lines.append(f"| Bits per weight | {_rate(rate['exact'])} over all tensors ({_rate(rate['by_layer_mass'])} over the `blk.N` layers) |")
     parts = g.get("parts", [])
     lines.append(f"| Size | {size['shards']:,} bytes in {len(parts)} file(s); base {size['base_shards']:,} bytes |")
-    lines.append(f"| Base | {_label(srcs['base'])} — {_rate(rate['base'])} bpw |")
+    base_layers = f" ({_rate(rate['base_layer_mass'])} over the `blk.N` layers)" if "base_layer_mass" in rate else ""
+    lines.append(f"| Base | {_label(srcs['base'])} — {_rate(rate['base'])} bpw{base_layers} |")
     for sid, s in srcs.items():
         if sid != "base":
             lines.append(f"| Donor `{sid}` | {_label(s)} — {_rate(rate['donors'].get(sid))} bpw |")

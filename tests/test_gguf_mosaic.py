@@ -540,3 +540,48 @@ def test_provenance_with_a_repeated_key_a_repeated_tensor_or_a_failed_check_fail
     p.write_text(json.dumps(doc, indent=2))
     _resign_manifest(built)
     assert any(f.check == "provenance" and "listed twice" in f.detail for f in audit(built).failures)
+
+
+def test_rates_compare_like_with_like_and_are_audited(built: Path, tmp_path: Path, models: Path) -> None:
+    """Each of the mosaic's rates has the base's beside it over the same tensors; the audit derives them again."""
+    from mosaic.gguf_card import render_gguf_card
+
+    doc = json.loads((built / "PROVENANCE.json").read_text())
+    rate = doc["rate"]
+    base = open_gguf_model(models / "base" / "tiny-Q4_0.gguf")
+    layers = [t for t in base.tensors if t.layer is not None]
+    assert rate["base_layer_mass"] == pytest.approx(8 * sum(t.nbytes for t in layers) / sum(t.elements for t in layers), abs=1e-6)
+    assert rate["base_by_bytes"] == pytest.approx(8 * base.size / sum(t.elements for t in base.tensors), abs=1e-6)
+    # the mosaic takes Q8_0 layers: over the blk.N layers it is above its base, as over all tensors
+    assert rate["by_layer_mass"] > rate["base_layer_mass"] and rate["exact"] > rate["base"]
+    assert f"({rate['base_layer_mass']:.4f} over the `blk.N` layers)" in (built / "README.md").read_text()
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "r.yaml"), "--out", str(tmp_path / "again")])
+    assert r.exit_code == 0, r.output
+    assert (f"blk.N layers {rate['by_layer_mass']:.4f} vs {rate['base_layer_mass']:.4f}" in r.output
+            and f"all tensors {rate['exact']:.4f} vs {rate['base']:.4f}" in r.output)
+    assert audit(built, sources=tmp_path / "r.yaml").ok
+
+    def rewrite(d: dict) -> None:
+        import hashlib
+
+        card = render_gguf_card(d)
+        (built / "README.md").write_bytes(card)
+        for f in d["files"]:
+            if f["name"] == "README.md":
+                f.update(size=len(card), sha256=hashlib.sha256(card).hexdigest())
+        (built / "PROVENANCE.json").write_text(json.dumps(d, indent=2))
+        _resign_manifest(built)
+
+    wrong = json.loads(json.dumps(doc))
+    wrong["rate"]["by_layer_mass"] = round(rate["by_layer_mass"] - 0.5, 6)
+    wrong["rate"]["base_layer_mass"] = round(rate["base_layer_mass"] + 0.5, 6)
+    rewrite(wrong)
+    got = audit(built, sources=tmp_path / "r.yaml")
+    details = [f.detail for f in got.failures]
+    assert any(d.startswith("rate.by_layer_mass is ") for d in details)
+    assert any(d.startswith("rate.base_layer_mass is ") for d in details)
+    older = json.loads(json.dumps(doc))  # a record of an earlier mosaic, before the base's like-for-like rates
+    del older["rate"]["base_by_bytes"], older["rate"]["base_layer_mass"]
+    rewrite(older)
+    got = audit(built, sources=tmp_path / "r.yaml")
+    assert got.ok, got.failures

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from fractions import Fraction
 from pathlib import Path
 
 from mosaic.audit.report import AuditReport, NotAMosaic, check_manifest, sources_recipe, walk_folder
 from mosaic.checkpoint.folder import load_json
-from mosaic.checkpoint.gguf_model import SPLIT_KEYS, GGUFModel, split_name
+from mosaic.checkpoint.gguf_model import SPLIT_KEYS, GGUFModel, parse_name, split_name
 from mosaic.errors import MosaicError, RecipeError
-from mosaic.formats.gguf_container import GGUFError, GGUFFile, read_gguf, type_name
+from mosaic.formats.gguf_container import GGUFError, GGUFFile, TensorInfo, read_gguf, type_name
 from mosaic.gguf_card import render_gguf_card
 from mosaic.gguf_select import SelectionProblem, assign
 from mosaic.gguf_sources import open_gguf_source
@@ -198,6 +199,8 @@ def audit_gguf_mosaic(
     size_parts = sum(digests[p][0] for p in parts if p in digests)
     if doc["size"]["shards"] != size_parts or doc["size"]["tensors"] != sum(t.nbytes for _, t in infos):
         rep.fail("provenance", f"size {doc['size']} differs from the parts ({size_parts} bytes)", file=PROVENANCE_NAME)
+    if len(parsed) == len(parts):
+        _check_rates(rep, doc["rate"], [t for _, t in infos], size_parts)
 
     recipe = _recipe_checks(rep, root, doc, parsed.get(parts[0]) if parts else None, fileset)
 
@@ -211,6 +214,54 @@ def audit_gguf_mosaic(
         rep.ran.append("sources")
         _audit_sources(rep, doc, recipe, sources, tensor_digest, parsed.get(parts[0]) if parts else None, jobs, progress)
     return rep
+
+
+def _check_rates(rep: AuditReport, rate: dict, tensors: list[TensorInfo], size: int) -> None:
+    """The mosaic's own rates derived again from its tensor infos (the base's need the base: ``--sources``)."""
+    weights = sum(_elements(t) for t in tensors)
+    layers = [t for t in tensors if parse_name(t.name)[0] is not None]
+    derived = {
+        "exact": Fraction(8 * sum(t.nbytes for t in tensors), weights) if weights else None,
+        "by_bytes": Fraction(8 * size, weights) if weights else None,
+        "by_layer_mass": Fraction(8 * sum(t.nbytes for t in layers), sum(_elements(t) for t in layers)) if layers else None,
+    }
+    for key, want in derived.items():
+        got = rate.get(key)
+        if (want is None) != (got is None) or (want is not None and _rate_differs(got, want)):
+            shown = "none" if want is None else f"{float(want):.6f}"
+            rep.fail("provenance", f"rate.{key} is {got}, the tensor infos give {shown}", file=PROVENANCE_NAME)
+
+
+def _check_base_rates(rep: AuditReport, rate: dict, base: GGUFModel) -> None:
+    """The base's rates as recorded (``base_by_bytes`` and ``base_layer_mass`` only in newer records)."""
+    weights = sum(t.elements for t in base.tensors)
+    layers = [t for t in base.tensors if t.layer is not None]
+    derived = {
+        "base": Fraction(8 * sum(t.nbytes for t in base.tensors), weights) if weights else None,
+        "base_by_bytes": Fraction(8 * base.size, weights) if weights else None,
+        "base_layer_mass": Fraction(8 * sum(t.nbytes for t in layers), sum(t.elements for t in layers)) if layers else None,
+    }
+    for key, want in derived.items():
+        if key not in rate:
+            continue
+        got = rate[key]
+        if (want is None) != (got is None) or (want is not None and _rate_differs(got, want)):
+            shown = "none" if want is None else f"{float(want):.6f}"
+            rep.fail("sources", f"rate.{key} is {got}, the base's tensor infos give {shown}", file=PROVENANCE_NAME)
+
+
+def _elements(t: TensorInfo) -> int:
+    n = 1
+    for d in t.ne:
+        n *= d
+    return n
+
+
+def _rate_differs(recorded: object, derived: Fraction) -> bool:
+    try:
+        return abs(Fraction(recorded) - derived) > Fraction(5, 10**7)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return True
 
 
 def _recipe_checks(rep: AuditReport, root: Path, doc: dict, first: GGUFFile | None, fileset: set[str]) -> Recipe | None:
@@ -276,6 +327,7 @@ def _audit_sources(rep: AuditReport, doc: dict, recipe: Recipe | None, sources: 
         if mine != theirs:
             diff = sorted(set(mine) ^ set(theirs)) or sorted(k for k in mine if mine[k] != theirs[k])
             rep.fail("sources", f"metadata differs from the base's: {diff[:3]}", file=doc["gguf"]["parts"][0])
+    _check_base_rates(rep, doc["rate"], models["base"])
     wanted: dict[tuple[str, str], list] = defaultdict(list)
     for sid, m in models.items():
         for f in m.files:

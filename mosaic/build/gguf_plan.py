@@ -98,17 +98,22 @@ class GGUFPlan:
 
     def rates(self) -> dict[str, object]:
         """Bits per weight (8 x tensor bytes / weights, llama.cpp's BPW) of the mosaic and of each
-        source; ``by_bytes`` counts the files' headers too; ``by_layer_mass`` only the ``blk.N``
-        tensors (what the layer choice moves)."""
+        source, each beside the base's figure over the same tensors: ``exact`` and ``base`` over every
+        tensor; ``by_bytes`` and ``base_by_bytes`` over the files, headers included; ``by_layer_mass``
+        and ``base_layer_mass`` over the ``blk.N`` tensors only (what a layer choice moves: the
+        embeddings and the output head, often at higher precision, are left out of both)."""
         outs = [_as_tensor(t) for t in self.tensors]
         exact = bits_per_weight(outs)
         weights = sum(t.elements for t in outs)
-        layers = [t for t in outs if t.layer is not None]
+        base = self.models["base"]
+        base_weights = sum(t.elements for t in base.tensors)
         return {
             "exact": exact,
             "by_bytes": Fraction(8 * self.size, weights) if weights else None,
-            "by_layer_mass": bits_per_weight(layers),
-            "base": bits_per_weight(self.models["base"].tensors),
+            "by_layer_mass": bits_per_weight([t for t in outs if t.layer is not None]),
+            "base": bits_per_weight(base.tensors),
+            "base_by_bytes": Fraction(8 * base.size, base_weights) if base_weights else None,
+            "base_layer_mass": bits_per_weight([t for t in base.tensors if t.layer is not None]),
             "donors": {sid: bits_per_weight(m.tensors) for sid, m in self.models.items() if sid != "base"},
         }
 

@@ -220,6 +220,8 @@ def gguf_provenance(plan: GGUFPlan, res: GGUFWriteResult) -> dict:
             "by_bytes": _rate(rates["by_bytes"]),  # type: ignore[arg-type]
             "by_layer_mass": _rate(rates["by_layer_mass"]),  # type: ignore[arg-type]
             "base": _rate(rates["base"]),  # type: ignore[arg-type]
+            "base_by_bytes": _rate(rates["base_by_bytes"]),  # type: ignore[arg-type]
+            "base_layer_mass": _rate(rates["base_layer_mass"]),  # type: ignore[arg-type]
             "donors": {sid: _rate(r) for sid, r in rates["donors"].items()},  # type: ignore[union-attr]
         },
         "files": [],

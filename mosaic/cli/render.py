@@ -150,6 +150,17 @@ def render_gguf_census(console: Console, rep: dict) -> None:
     _render_problems(console, rep["problems"])
 
 
+def _rate_line(rate: dict) -> str:
+    """The build's rates, each beside the base's over the same tensors where the record has it."""
+    if "base_layer_mass" in rate:  # a GGUF mosaic: bits per weight of llama.cpp's kind, like with like
+        return (f"bits per weight (mosaic vs base): all tensors {_rate(rate['exact'])} vs {_rate(rate['base'])}; "
+                f"files with headers {_rate(rate['by_bytes'])} vs {_rate(rate.get('base_by_bytes'))}; "
+                f"blk.N layers {_rate(rate['by_layer_mass'])} vs {_rate(rate['base_layer_mass'])}")
+    config = f" (config bits {rate['config_bits']})" if rate.get("config_bits") is not None else ""
+    return (f"rate: exact {_rate(rate['exact'])} bpw{config}, by bytes {_rate(rate['by_bytes'])}, "
+            f"by layer mass {_rate(rate['by_layer_mass'])}; base {_rate(rate['base'])}")
+
+
 def render_build(console: Console, s: dict) -> None:
     rate = s["rate"]
     console.print(f"[bold green]built[/bold green] {lit(s['output'])}")
@@ -157,11 +168,7 @@ def render_build(console: Console, s: dict) -> None:
         f"{s['size']['shards']:,} bytes ({human_bytes(s['size']['shards'])}) in {len(s['shards'])} shard(s); "
         f"{s['tensors']:,} tensors, {s['from_donors']:,} from donors"
     )
-    config = f" (config bits {rate['config_bits']})" if rate.get("config_bits") is not None else ""
-    console.print(
-        f"rate: exact {_rate(rate['exact'])} bpw{config}, by bytes {_rate(rate['by_bytes'])}, "
-        f"by layer mass {_rate(rate['by_layer_mass'])}; base {_rate(rate['base'])}"
-    )
+    console.print(_rate_line(rate))
     t = Table(show_edge=False)
     t.add_column("check")
     t.add_column("ok")
