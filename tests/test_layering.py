@@ -49,7 +49,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records", "build", "gguf", "audit",
             "plan", "signature", "sign", "publish", "rebuild", "gguf_sources", "gguf_select", "eval"},
     "testing": {"formats", "checkpoint"},
-    "testing_gguf": {"formats"},
+    "testing_gguf": {"formats", "eval"},
     "demo": {"cli", "testing", "recipe"},
 }
 
