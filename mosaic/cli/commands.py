@@ -519,5 +519,50 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
         render_eval(_console(), doc)
 
 
+@main.command("measure")
+@click.option("--base", "base", required=True, metavar="SRC", help="The base: a .gguf file, a split set's first file, a folder, or org/name@<commit>:<file>.")
+@click.option("--donor", "donors", multiple=True, required=True, metavar="ID=SRC", help="A donor quantization of the same model (repeatable).")
+@click.option("--reference", "reference", required=True, metavar="REF",
+              help="The teacher: a model (run once here), or a reference saved by mosaic eval --save-reference (.npz).")
+@click.option("--text", "text", required=True, type=click.Path(path_type=Path), help="The rows to measure on (as for mosaic eval).")
+@click.option("--unit", type=click.Choice(["layer", "layer-experts", "module-group"]), default=None,
+              help="What a candidate takes from a donor (default: layer-experts where the base has routed experts, else layer).")
+@click.option("--only-layers", "only_layers", default=None, metavar="LIST", help="Measure only these layers, e.g. 0-5,9,12.")
+@click.option("--ctx", type=click.IntRange(2, 1 << 20), default=None, help="Tokens per window (default 512, or the saved reference's).")
+@click.option("--top-k", "top_k", type=click.IntRange(1, 1 << 16), default=None, help="Teacher log-probabilities kept per position (default 32).")
+@click.option("--out", "out", type=click.Path(path_type=Path), default=Path("measurement.json"), show_default=True,
+              help="The measurement document, written when every candidate has run.")
+@click.option("--workdir", type=click.Path(path_type=Path), default=None,
+              help="Where the base and the donors' units are laid out once (default: beside --out); removed at the end.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted measurement (<out>.partial) with the same inputs.")
+@click.option("--force", is_flag=True, help="Replace an existing --out (or an interrupted measurement's journal).")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="Runtime threads (default: every core).")
+@click.option("--verbose", is_flag=True, help="Show the runtime's own log lines on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print the measurement document on stdout.")
+@_guarded
+def measure_cmd(base: str, donors: tuple[str, ...], reference: str, text: Path, unit: str | None, only_layers: str | None,
+                ctx: int | None, top_k: int | None, out: Path, workdir: Path | None, resume: bool, force: bool,
+                threads: int | None, verbose: bool, as_json: bool) -> None:
+    """Measure what each unit buys: every unit of the selected layers from every donor that has it, scored on
+    the model against the teacher (KL, top-1, NLL deltas against the base, with their noise), for mosaic plan."""
+    from mosaic.cli.render import render_measurement
+    from mosaic.measure.run import MeasureRequest, measure
+    from mosaic.progress import reporter
+
+    pairs = []
+    for d in donors:
+        did, sep, src = d.partition("=")
+        if not sep or not did or not src:
+            raise click.BadParameter(f"{d!r} is not ID=SRC", param_hint="--donor")
+        pairs.append((did, src))
+    req = MeasureRequest(base, pairs, reference, text, unit, only_layers, ctx, top_k, out, resume, force, workdir, threads, verbose)
+    with reporter(False if as_json else None, unit="candidates") as progress:
+        doc = measure(req, progress)
+    if as_json:
+        _emit_json(doc)
+    else:
+        render_measurement(_console(), doc, out)
+
+
 if __name__ == "__main__":
     main()

@@ -347,3 +347,20 @@ def render_eval(console: Console, doc: dict) -> None:
         console.print(f"{lit(cmp['from'])} → {lit(cmp['to'])} over {doc['rows']} rows: " + "; ".join(parts))
     if doc.get("saved_reference"):
         console.print(f"saved the teacher's top-{doc['top_k']} to {lit(doc['saved_reference'])}")
+
+
+def render_measurement(console: Console, doc: dict, out: object) -> None:
+    b = doc["base"]
+    s = doc["settings"]
+    console.print(f"[bold]measured[/bold] {len(doc['results'])} candidates ({s['unit']} units) in {doc['seconds']:.0f} s"
+                  f" ({doc['seconds_per_candidate'] or 0:.2f} s each); wrote {lit(str(out))}")
+    console.print(f"base {lit(b['source'])}: KL {b['kl']:.5f} (top-{s['kl']['k']} lower bound), top-1 {b['top1']:.4f}, "
+                  f"NLL {b['nll']:.4f}; {doc['text']['rows']} rows, {doc['text']['positions']:,} positions")
+    best = sorted(doc["results"], key=lambda r: (r["dkl"], r["dbytes"]))[:15]
+    t = Table(show_edge=False, title="what buys the most (dkl lowest first)")
+    for col in ("layer", "group", "donor", "dbytes", "dkl", "± se", "dtop1", "dnll"):
+        t.add_column(col, justify="left" if col in ("group", "donor") else "right")
+    for r in best:
+        t.add_row("-" if r["layer"] is None else str(r["layer"]), lit(r["group"] or "-"), lit(r["donor"]), f"{r['dbytes']:,}",
+                  f"{r['dkl']:+.5f}", f"{r['dkl_se']:.5f}", f"{r['dtop1']:+.4f}", f"{r['dnll']:+.4f}")
+    console.print(t)

@@ -200,6 +200,20 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
     return doc
 
 
+def score_against(ref: Reference, cands: list[Backend], progress: Reporter = SILENT) -> list[dict[str, object]]:
+    """Each candidate scored against a saved reference as ``mosaic eval`` scores it (the KL lower bound),
+    the candidates already known to tokenize as the reference did; their panels (``summarize``)."""
+    teacher = _Teacher(ref.model, ref.ctx, ref.k, ref.tokenizer, [list(map(int, t)) for t in ref.row_tokens], None, ref)
+    scores, _ = _score(teacher, cands, ref.ctx, progress, len(ref.row_tokens))
+    return [summarize(c.name, s, False) for c, s in zip(cands, scores)]
+
+
+def check_tokens(c: Backend, ref: Reference, rows: Rows) -> None:
+    """``c`` tokenizes every row as the reference did (its tokenizer's identity first)."""
+    _check_tokens(c, _Teacher(ref.model, ref.ctx, ref.k, ref.tokenizer, [list(map(int, t)) for t in ref.row_tokens],
+                              None, ref), rows)
+
+
 def _positions(row_tokens: list[list[int]], ctx: int) -> int:
     return sum(len(w) - 1 for t in row_tokens for w in windows(t, ctx))
 

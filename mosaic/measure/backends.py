@@ -1,0 +1,88 @@
+"""What scores a measurement's candidates: one small interface, one implementation per format.
+
+A scorer is made once per measurement, scores the base once, then each candidate "base + unit from
+donor" against the teacher's saved top-k, as ``mosaic eval`` scores a model against a saved reference
+(the KL lower bound), and hands back its panel (:func:`mosaic.eval.panel.summarize`). GGUF runs on
+llama.cpp on the CPU, its candidates made of laid-out parts (:mod:`.parts`); EXL3 runs on exllamav3 on a
+CUDA GPU, swapping a unit's modules in memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from mosaic.checkpoint.gguf_model import GGUFModel
+from mosaic.errors import MosaicError
+from mosaic.eval.backends import GGUFBackend, batch_size, check_gguf
+from mosaic.eval.reference import Reference
+from mosaic.eval.rows import Rows
+from mosaic.eval.run import check_tokens, score_against
+from mosaic.eval.runtime import get_runtime
+from mosaic.measure.parts import Parts, lay_out
+from mosaic.measure.units import Unit
+from mosaic.progress import SILENT, Reporter
+
+
+class Scorer(Protocol):
+    runtime: dict
+
+    def base(self) -> dict: ...
+
+    def candidate(self, unit: int, donor: str) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class GGUFScorer:
+    """Candidates as links to parts laid out once; each loaded by llama.cpp by its first part's name."""
+
+    def __init__(self, base: GGUFModel, donors: dict[str, GGUFModel], units: list[Unit], runs: list[tuple[int, str]],
+                 ref: Reference, rows: Rows, workdir: Path, *, threads: int | None = None, verbose: bool = False,
+                 progress: Reporter = SILENT) -> None:
+        self._rt = get_runtime(threads=threads, verbose=verbose)
+        self.runtime = self._rt.info.as_dict()
+        self._ref = ref
+        self._parts: Parts = lay_out(workdir, base, units, donors, runs, progress)
+        first = self._parts.candidate(None, None)
+        self._check = check_gguf(first)  # the laid-out base, strictly, split keys and all
+        self.batch = batch_size(ref.ctx, self._check.n_vocab or 1)
+        b = self._open(first, base.describe())
+        try:
+            check_tokens(b, ref, rows)
+        finally:
+            b.close()
+
+    def _open(self, first: Path, name: str) -> GGUFBackend:
+        check = type(self._check)(self._check.model, first, self._check.n_vocab, self._check.context_length)
+        return GGUFBackend(check, name, self._rt, self._ref.ctx, self.batch)
+
+    def _score(self, first: Path, name: str) -> dict:
+        b = self._open(first, name)
+        try:
+            return score_against(self._ref, [b])[0]
+        finally:
+            b.close()
+
+    def base(self) -> dict:
+        return self._score(self._parts.candidate(None, None), "base")
+
+    def candidate(self, unit: int, donor: str) -> dict:
+        return self._score(self._parts.candidate(unit, donor), f"unit {unit} from {donor}")
+
+    def close(self) -> None:
+        pass
+
+
+def exl3_scorer(*args: object, **kwargs: object) -> Scorer:
+    """exllamav3 on a CUDA GPU (the ``exl3`` extra): without one, one line says so."""
+    try:
+        import torch
+    except ImportError:
+        raise MosaicError("mosaic measure of EXL3 models needs the exl3 extra (torch, exllamav3) and a CUDA GPU: "
+                          "pip install 'mosaic[exl3]'") from None
+    if not torch.cuda.is_available():
+        raise MosaicError("mosaic measure of EXL3 models needs a CUDA GPU (exllamav3); none is available here")
+    raise MosaicError("mosaic measure of EXL3 models: exllamav3's in-memory module swap is not available in this "
+                      "version; measure a GGUF quantization of the model, or score layers with exllamav3's own "
+                      "measurement and pass it to mosaic plan --scores")
