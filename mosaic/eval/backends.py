@@ -123,17 +123,24 @@ class GGUFBackend:
         self._model.close()
 
 
+def require_exl3_gpu(what: str) -> None:
+    """exllamav3 runs on a CUDA GPU through the ``exl3`` extra: without them, one line says which is missing."""
+    try:
+        import torch
+    except ImportError:
+        raise MosaicError(f"{what} of EXL3 folders needs the exl3 extra (torch, exllamav3): pip install 'mosaic[exl3]'") from None
+    if not torch.cuda.is_available():
+        raise MosaicError(f"{what} of EXL3 folders needs a CUDA GPU (exllamav3); none is available here")
+
+
 class Exl3Backend:
     """exllamav3 on a CUDA GPU (the ``exl3`` extra). Imported only when an EXL3 folder is evaluated; a window
     is computed on the GPU at once and handed back ``batch`` positions at a time."""
 
     def __init__(self, path: Path, ctx: int, batch: int) -> None:
-        try:
-            import torch
-        except ImportError:
-            raise MosaicError("mosaic eval of EXL3 folders needs the exl3 extra (torch, exllamav3): pip install 'mosaic[exl3]'") from None
-        if not torch.cuda.is_available():
-            raise MosaicError("mosaic eval of EXL3 folders needs a CUDA GPU (exllamav3); none is available here")
+        require_exl3_gpu("mosaic eval")
+        import torch
+
         try:
             from exllamav3 import Config, Model, Tokenizer
         except ImportError:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from mosaic.checkpoint.gguf_model import GGUFModel
 from mosaic.errors import MosaicError
-from mosaic.eval.backends import GGUFBackend, batch_size, check_gguf
+from mosaic.eval.backends import GGUFBackend, batch_size, check_gguf, require_exl3_gpu
 from mosaic.eval.reference import Reference
 from mosaic.eval.rows import Rows
 from mosaic.eval.run import check_tokens, score_against
@@ -76,13 +76,7 @@ class GGUFScorer:
 
 def exl3_scorer(*args: object, **kwargs: object) -> Scorer:
     """exllamav3 on a CUDA GPU (the ``exl3`` extra): without one, one line says so."""
-    try:
-        import torch
-    except ImportError:
-        raise MosaicError("mosaic measure of EXL3 models needs the exl3 extra (torch, exllamav3) and a CUDA GPU: "
-                          "pip install 'mosaic[exl3]'") from None
-    if not torch.cuda.is_available():
-        raise MosaicError("mosaic measure of EXL3 models needs a CUDA GPU (exllamav3); none is available here")
+    require_exl3_gpu("mosaic measure")
     raise MosaicError("mosaic measure of EXL3 models: exllamav3's in-memory module swap is not available in this "
                       "version; measure a GGUF quantization of the model, or score layers with exllamav3's own "
                       "measurement and pass it to mosaic plan --scores")

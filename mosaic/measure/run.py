@@ -27,7 +27,8 @@ from mosaic.errors import MosaicError, OutputError, SourceError, VerificationErr
 from mosaic.eval.reference import Reference, is_reference_file, load_reference
 from mosaic.eval.rows import load_rows
 from mosaic.eval.run import DEFAULT_CTX, DEFAULT_TOP_K, EvalRequest, evaluate
-from mosaic.gguf_sources import open_gguf_source
+from mosaic.faults import point as fault_point
+from mosaic.gguf_sources import gguf_source, is_gguf_src, open_gguf_source
 from mosaic.hashing import digest_file
 from mosaic.measure.backends import GGUFScorer, Scorer, exl3_scorer
 from mosaic.measure.document import SCHEMA_ID, dumps, validation_errors
@@ -53,18 +54,6 @@ class MeasureRequest:
     workdir: Path | None = None
     threads: int | None = None
     verbose: bool = False
-
-
-def _spec(text: str, what: str, sid: str) -> SourceSpec:
-    from mosaic.plan.gguf_planner import gguf_source
-
-    return gguf_source(text, what, sid)
-
-
-def _is_gguf(text: str) -> bool:
-    from mosaic.plan.gguf_planner import is_gguf_src
-
-    return is_gguf_src(text)
 
 
 def file_records(model: GGUFModel, spec: SourceSpec, progress: Reporter = SILENT) -> list[dict]:
@@ -167,16 +156,16 @@ def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
     if len(set(ids)) != len(ids):
         raise MosaicError(f"--donor {next(d for d in ids if ids.count(d) > 1)}: given twice")
 
-    if not _is_gguf(req.base):
+    if not is_gguf_src(req.base):
         return _exl3(req)
-    base_spec = _spec(req.base, "--base", "base")
+    base_spec = gguf_source(req.base, "--base", "base")
     base = open_gguf_source(base_spec, Path.cwd())
     donors: dict[str, GGUFModel] = {}
     donor_specs: dict[str, SourceSpec] = {}
     for did, src in req.donors:
-        if not _is_gguf(src):
+        if not is_gguf_src(src):
             raise SourceError(f"--donor {did}: {src} is not a GGUF model, but the base is")
-        donor_specs[did] = _spec(src, f"--donor {did}", did)
+        donor_specs[did] = gguf_source(src, f"--donor {did}", did)
         donors[did] = open_gguf_source(donor_specs[did], Path.cwd())
         check_same_model(base, did, donors[did])
     unit_kind = req.unit or default_unit(base)
@@ -197,9 +186,9 @@ def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
                      "runtime": ref0.runtime}
     else:
         ctx, k = req.ctx or DEFAULT_CTX, req.top_k or DEFAULT_TOP_K
-        ref_model = open_gguf_source(_spec(req.reference, "--reference", "reference"), Path.cwd())
+        ref_model = open_gguf_source(gguf_source(req.reference, "--reference", "reference"), Path.cwd())
         reference = {"source": req.reference, "kind": "model", "model": req.reference,
-                     "files": file_records(ref_model, _spec(req.reference, "--reference", "reference"), progress)}
+                     "files": file_records(ref_model, gguf_source(req.reference, "--reference", "reference"), progress)}
 
     from mosaic.eval.runtime import get_runtime
 
@@ -287,6 +276,7 @@ def _run(req: MeasureRequest, journal: Journal, base: GGUFModel, donors: dict[st
                          "kl": p["kl"]["mean"], "dkl": p["kl"]["mean"] - base_rec["kl"], "dkl_se": _se(c_kl, list(b_rows[0])),
                          "dtop1": p["top1"] - base_rec["top1"], "dnll": p["nll"] - base_rec["nll"],
                          "seconds": time.monotonic() - t0})
+            fault_point("candidate")
             advance(1)
     finally:
         if scorer is not None:

@@ -23,33 +23,15 @@ from pathlib import Path
 import yaml
 
 from mosaic.build.gguf_plan import GGUFPlan, check_same_model, mosaic_keys, plan_gguf
-from mosaic.checkpoint.gguf_model import GGUFModel, is_gguf_location, parse_name
+from mosaic.checkpoint.gguf_model import GGUFModel, parse_name
 from mosaic.errors import MosaicError, VerificationError
 from mosaic.formats.gguf_container import align, layout
 from mosaic.gguf_select import GROUPS, module_patterns
-from mosaic.gguf_sources import open_gguf_source
+from mosaic.gguf_sources import gguf_source, is_gguf_src, open_gguf_source
 from mosaic.plan.scores import ScoresError, read_scores_file
 from mosaic.plan.solver import Option, Solution, choose_count, greedy, solve_pareto
 from mosaic.plan.units import PlanError
-from mosaic.recipe import _REV_RE, REPO_RE, Recipe, SourceSpec, component_match, layer_runs, parse_recipe
-
-_HUB_RE = re.compile(r"^(?P<repo>[^@]+)@(?P<rev>[0-9a-f]{40}):(?P<file>.+)$")
-
-
-def is_gguf_src(text: str) -> bool:
-    """A GGUF ``--base``/``--donor``: a .gguf file, a folder of GGUF files, or ``org/name@<commit>:<file>``."""
-    if _HUB_RE.match(text) and not Path(text).exists():
-        return True
-    return is_gguf_location(Path(text))
-
-
-def gguf_source(text: str, what: str, sid: str) -> SourceSpec:
-    m = _HUB_RE.match(text)
-    if m and not Path(text).exists():
-        if not REPO_RE.match(m["repo"]) or not _REV_RE.match(m["rev"]):
-            raise MosaicError(f"{what}: {text!r} is not org/name@<40-hex commit>:<file or glob>")
-        return SourceSpec(sid, repo=m["repo"], revision=m["rev"], file=m["file"])
-    return SourceSpec(sid, path=text)
+from mosaic.recipe import Recipe, SourceSpec, component_match, layer_runs, parse_recipe
 
 
 @dataclass(frozen=True)
@@ -119,6 +101,134 @@ def _name(spec: SourceSpec, base: GGUFModel) -> str:
     return f"{stem}-mosaic"
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """What the solver chooses among: units (any kind) and, per unit, its donors' options."""
+
+    units: list[tuple[int | None, str | None, tuple[str, ...]]]  # (layer, group, tensors), in tie-break order
+    options: list[list[Option]]
+    delta: dict[tuple[int, str], int]  # (unit, donor) -> padded byte growth
+    bits: dict[tuple[int, str], int]  # (unit, donor) -> 8 x byte growth (for --target-rate)
+    predicted: dict[tuple[int, str], float]  # (unit, donor) -> measured dkl (measurements only)
+    donors: list[tuple[str, SourceSpec, GGUFModel]]  # in --donor order
+    kind: str
+
+
+def _measurement_doc(path: Path) -> dict | None:
+    """The scores file as a ``mosaic.measurement/v1`` document, or ``None`` when it is another kind."""
+    from mosaic.measure.document import SCHEMA_ID, load_measurement
+
+    try:
+        head = path.read_bytes()[:4096]
+    except OSError as e:
+        raise ScoresError(f"{path}: cannot read scores: {e.strerror or e}") from None
+    if SCHEMA_ID.encode() not in head:
+        return None
+    return load_measurement(path)
+
+
+def _per_layer_choice(r: object, base: GGUFModel, base_spec: SourceSpec) -> tuple[_Choice, list[str]]:
+    donors_arg: list[tuple[str, str]] = r.donors  # type: ignore[attr-defined]
+    if len(donors_arg) != 1:
+        raise MosaicError(f"a GGUF plan from per-layer scores takes exactly one --donor (given {len(donors_arg)}); "
+                          "a measurement (mosaic measure) takes several")
+    did, dsrc = donors_arg[0]
+    if not is_gguf_src(dsrc):
+        raise MosaicError(f"--donor {did}: {dsrc} is not a GGUF model, but the base is")
+    donor_spec = gguf_source(dsrc, f"--donor {did}", did)
+    donor = open_gguf_source(donor_spec, Path.cwd())
+    check_same_model(base, did, donor)
+    gunits = find_gguf_units(base, r.unit)  # type: ignore[attr-defined]
+    layers = {t.layer for t in base.tensors if t.layer is not None}
+    scores, notes = load_layer_scores(r.scores, gunits, did, layers)  # type: ignore[arg-type, attr-defined]
+    bt, dt = base.by_name(), donor.by_name()
+    a = base.alignment
+    delta = {(u.index, did): sum(align(dt[n].nbytes, a) - align(bt[n].nbytes, a) for n in u.tensors) for u in gunits}
+    bits = {(u.index, did): 8 * sum(dt[n].nbytes - bt[n].nbytes for n in u.tensors) for u in gunits}
+    by_target = r.target_rate is not None  # type: ignore[attr-defined]
+    options = [[Option(u.index, 0, did, bits[(u.index, did)] if by_target else delta[(u.index, did)], scores[(u.index, did)])]
+               if (u.index, did) in scores else [] for u in gunits]
+    units = [(u.layer, u.pattern, u.tensors) for u in gunits]
+    return _Choice(units, options, delta, bits, {}, [(did, donor_spec, donor)], r.unit), notes  # type: ignore[attr-defined]
+
+
+def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpec) -> tuple[_Choice, list[str]]:
+    """Units × donors from a measurement of these very sources: the score of an option is its −dkl."""
+    from mosaic.measure.run import file_records
+    from mosaic.measure.units import dbytes, gguf_units
+
+    path = r.scores  # type: ignore[attr-defined]
+    if doc["format"] != "gguf":
+        raise ScoresError(f"{path}: a measurement of EXL3 models; the base is GGUF")
+    kind = doc["settings"]["unit"]
+    if r.unit_explicit and r.unit != kind:  # type: ignore[attr-defined]
+        raise ScoresError(f"{path}: measures {kind} units, not {r.unit} (--unit); measure again with --unit {r.unit}")  # type: ignore[attr-defined]
+    if file_records(base, base_spec) != doc["base"]["files"]:
+        raise ScoresError(f"{path}: measured another base ({doc['base']['source']}): its files' digests differ from {r.base}'s")  # type: ignore[attr-defined]
+    donors: list[tuple[str, SourceSpec, GGUFModel]] = []
+    for did, dsrc in r.donors:  # type: ignore[attr-defined]
+        if did not in doc["donors"]:
+            raise ScoresError(f"{path}: has no donor {did!r} (it measured {', '.join(doc['donors'])})")
+        if not is_gguf_src(dsrc):
+            raise MosaicError(f"--donor {did}: {dsrc} is not a GGUF model, but the base is")
+        spec = gguf_source(dsrc, f"--donor {did}", did)
+        model = open_gguf_source(spec, Path.cwd())
+        check_same_model(base, did, model)
+        if file_records(model, spec) != doc["donors"][did]["files"]:
+            raise ScoresError(f"{path}: measured another donor {did!r} ({doc['donors'][did]['source']}): "
+                              f"its files' digests differ from {dsrc}'s")
+        donors.append((did, spec, model))
+    layers = doc["settings"]["layers"]
+    units = gguf_units(base, kind, set(layers) if layers is not None else None)
+    index = {(u.layer, u.group): i for i, u in enumerate(units)}
+    rank = {did: i for i, (did, _, _) in enumerate(donors)}
+    models = {did: m for did, _, m in donors}
+    by_target = r.target_rate is not None  # type: ignore[attr-defined]
+    options: list[list[Option]] = [[] for _ in units]
+    delta: dict[tuple[int, str], int] = {}
+    bits: dict[tuple[int, str], int] = {}
+    predicted: dict[tuple[int, str], float] = {}
+    notes: list[str] = []
+    for res in doc["results"]:
+        if res["donor"] not in rank:
+            continue
+        ui = index.get((res["layer"], res["group"]))
+        if ui is None:
+            raise ScoresError(f"{path}: unit {res['group']} of layer {res['layer']} is not in the base")
+        u, did = units[ui], res["donor"]
+        d = dbytes(u, base, models[did])
+        if d != res["dbytes"]:
+            raise ScoresError(f"{path}: unit {u.describe()} from {did}: dbytes {res['dbytes']}, the sources give {d}")
+        delta[(ui, did)] = d
+        bt, dt = base.by_name(), models[did].by_name()
+        bits[(ui, did)] = 8 * sum(dt[n].nbytes - bt[n].nbytes for n in u.tensors)
+        predicted[(ui, did)] = res["dkl"]
+        gain = -Fraction(Decimal(repr(res["dkl"])))
+        if gain > 0:
+            options[ui].append(Option(ui, rank[did], did, bits[(ui, did)] if by_target else d, gain))
+    for opts in options:
+        opts.sort(key=lambda o: o.rank)
+    return _Choice([(u.layer, u.group, u.tensors) for u in units], options, delta, bits, predicted, donors, kind), notes
+
+
+def _rules(choice: _Choice, picks: list[Option]) -> list[dict[str, object]]:
+    """The recipe's rules expressing ``picks``: per donor, its layers (with ``modules`` for routed experts)
+    or, for single tensor kinds, the tensors' names."""
+    rules: list[dict[str, object]] = []
+    for did, _, _ in choice.donors:
+        mine = [choice.units[o.unit] for o in picks if o.donor == did]
+        if not mine:
+            continue
+        if choice.kind == "module-group":
+            rules.append({"from": did, "keys": [n for _, _, ts in mine for n in ts]})
+            continue
+        rule: dict[str, object] = {"from": did, "layers": _ranges(sorted(layer for layer, _, _ in mine if layer is not None))}
+        if choice.kind == "layer-experts":
+            rule["modules"] = ["ffn_exps"]
+        rules.append(rule)
+    return rules
+
+
 def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     """Solve a :class:`mosaic.plan.planner.PlanRequest` whose sources are GGUF; returns the report, the
     recipe text, the real build plan of it and notes."""
@@ -126,46 +236,30 @@ def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     modes = [x is not None for x in (r.max_size, r.target_rate, r.layers)]  # type: ignore[attr-defined]
     if sum(modes) != 1:
         raise MosaicError("give exactly one of --max-size, --target-rate, --layers")
-    donors_arg: list[tuple[str, str]] = r.donors  # type: ignore[attr-defined]
-    if len(donors_arg) != 1:
-        raise MosaicError(f"a GGUF plan takes exactly one --donor with per-layer scores (given {len(donors_arg)})")
-    did, dsrc = donors_arg[0]
-    if not is_gguf_src(dsrc):
-        raise MosaicError(f"--donor {did}: {dsrc} is not a GGUF model, but the base is")
     recipe_dir = (r.out.parent if r.out else Path.cwd()).resolve()  # type: ignore[attr-defined]
     recipe_dir.mkdir(parents=True, exist_ok=True)  # the recipe's sources are resolved from its folder
     base_spec = gguf_source(r.base, "--base", "base")  # type: ignore[attr-defined]
-    donor_spec = gguf_source(dsrc, f"--donor {did}", did)
     base = open_gguf_source(base_spec, Path.cwd())
-    donor = open_gguf_source(donor_spec, Path.cwd())
-    check_same_model(base, did, donor)
-    units = find_gguf_units(base, r.unit)  # type: ignore[attr-defined]
-    layers = {t.layer for t in base.tensors if t.layer is not None}
-    scores, notes = load_layer_scores(r.scores, units, did, layers)  # type: ignore[arg-type, attr-defined]
-    bt, dt = base.by_name(), donor.by_name()
-    a = base.alignment
-    delta = {u.index: sum(align(dt[n].nbytes, a) - align(bt[n].nbytes, a) for n in u.tensors) for u in units}
-    bits = {u.index: 8 * sum(dt[n].nbytes - bt[n].nbytes for n in u.tensors) for u in units}
+    doc = _measurement_doc(r.scores)  # type: ignore[attr-defined]
+    choice, notes = _measured_choice(r, doc, base, base_spec) if doc is not None else _per_layer_choice(r, base, base_spec)
     name = _name(base_spec, base)
     # the header does not depend on the choice: lay it out once with the keys the build writes
     probe = Recipe(name, base_spec, {}, (), None, (), recipe_dir / "x.yaml", b"")
     kvs = [kv for kv in base.metadata.values() if not kv.key.startswith("mosaic.")] + mosaic_keys(probe, 0)
-    head = layout(kvs, [(t.name, t.ne, t.type_id, t.nbytes) for t in base.tensors], a)
+    head = layout(kvs, [(t.name, t.ne, t.type_id, t.nbytes) for t in base.tensors], base.alignment)
     base_size = head.size
 
     def size(picks: list[Option]) -> int:
-        return base_size + sum(delta[o.unit] for o in picks)
+        return base_size + sum(choice.delta[(o.unit, o.donor)] for o in picks)
 
-    by_target = r.target_rate is not None  # type: ignore[attr-defined]
-    options = [[Option(u.index, 0, did, bits[u.index] if by_target else delta[u.index], scores[(u.index, did)])]
-               if (u.index, did) in scores else [] for u in units]
+    options = choice.options
     weights = sum(t.elements for t in base.tensors)
     if r.layers is not None:  # type: ignore[attr-defined]
         if r.layers < 1:  # type: ignore[attr-defined]
             raise MosaicError("--layers must be at least 1")
         best: Solution | None = choose_count(options, r.layers)  # type: ignore[attr-defined]
         greedy_sol = greedy(options, lambda picks: True, count=r.layers)  # type: ignore[attr-defined]
-    elif by_target:
+    elif r.target_rate is not None:  # type: ignore[attr-defined]
         try:
             target = Fraction(Decimal(r.target_rate))  # type: ignore[attr-defined]
         except (InvalidOperation, ValueError):
@@ -180,19 +274,18 @@ def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
         best = solve_pareto(options, limit - base_size)
         greedy_sol = greedy(options, lambda picks: size(picks) <= limit)
         if best is None or not best.picks:
-            smallest = min((base_size + delta[u.index] for u in units), default=base_size)
+            smallest = min((base_size + o.cost for opts in options for o in opts), default=base_size)
             raise PlanError(f"--max-size {limit:,} bytes: too small for any unit; the base alone is {base_size:,} bytes "
                             f"and the smallest mosaic (one unit) is {smallest:,} bytes")
     assert best is not None
     if not best.picks:
         raise PlanError("no unit has a usable score (all scores are negative or missing)")
-    rule: dict[str, object] = {"from": did, "layers": _ranges(sorted(units[o.unit].layer for o in best.picks))}
-    if units[0].pattern:
-        rule["modules"] = [units[0].pattern]
-    doc = {"name": name, "base": _source_doc(base_spec, recipe_dir), "donors": {did: _source_doc(donor_spec, recipe_dir)},
-           "replace": [rule]}
+    out_doc = {"name": name, "base": _source_doc(base_spec, recipe_dir),
+               "donors": {did: _source_doc(spec, recipe_dir) for did, spec, _ in choice.donors
+                          if any(o.donor == did for o in best.picks)},
+               "replace": _rules(choice, best.picks)}
     text = "# written by mosaic plan; build it with: mosaic build THIS_FILE\n" + yaml.safe_dump(
-        doc, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
+        out_doc, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
     recipe = parse_recipe(text.encode(), (r.out.resolve() if r.out else recipe_dir / "mosaic-plan.yaml"))  # type: ignore[attr-defined]
     plan = plan_gguf(recipe)
     predicted = size(best.picks)
@@ -201,7 +294,15 @@ def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     rates = plan.rates()
 
     def listing(sol: Solution) -> list[dict]:
-        return [{"layer": units[o.unit].layer, "donor": o.donor} for o in sol.picks]
+        picks = sorted(sol.picks, key=lambda o: (o.unit, o.rank))
+        out = []
+        for o in picks:
+            layer, group, _ = choice.units[o.unit]
+            item: dict[str, object] = {"layer": layer, "donor": o.donor}
+            if doc is not None:
+                item = {"layer": layer, "group": group, "donor": o.donor, "predicted_dkl": choice.predicted[(o.unit, o.donor)]}
+            out.append(item)
+        return out
 
     def f(x: object) -> float | None:
         return None if x is None else round(float(x), 6)  # type: ignore[arg-type]
@@ -213,6 +314,9 @@ def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
         "rate": {"exact": f(rates["exact"]), "by_bytes": f(rates["by_bytes"]), "by_layer_mass": f(rates["by_layer_mass"])},
         "greedy": {"chosen": listing(greedy_sol), "predicted_size": size(greedy_sol.picks), "score": float(greedy_sol.score)},
     }
+    if doc is not None:
+        report["predicted_dkl"] = round(sum(choice.predicted[(o.unit, o.donor)] for o in best.picks), 9)
+        report["unit"] = choice.kind
     if r.out is not None:  # type: ignore[attr-defined]
         r.out.parent.mkdir(parents=True, exist_ok=True)  # type: ignore[attr-defined]
         r.out.write_text(text, encoding="utf-8")  # type: ignore[attr-defined]

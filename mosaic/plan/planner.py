@@ -109,6 +109,7 @@ class PlanRequest:
     layers: int | None = None
     unit: str = "layer-experts"
     out: Path | None = None
+    unit_explicit: bool = False  # --unit given (a measurement's own unit is used otherwise)
 
 
 @dataclass

