@@ -22,7 +22,7 @@ from mosaic.cli.commands import main
 from mosaic.errors import MosaicError
 from mosaic.eval.run import EvalRequest, evaluate
 from mosaic.measure.run import MeasureRequest, measure
-from mosaic.measure.units import gguf_units
+from mosaic.plan.gguf_units import gguf_units
 from mosaic.testing_gguf import Geometry, requantize, smollm2_gguf, write_llama_gguf
 from tests.conftest import run_cli
 
@@ -82,7 +82,7 @@ def _build(tmp: Path, smol: dict[str, Path], name: str, rules: str) -> Path:
 
 
 def test_the_document_is_what_the_contract_says(by_layer: Path, smol: dict[str, Path]) -> None:
-    from mosaic.measure.document import validation_errors
+    from mosaic.plan.measurement import validation_errors
 
     doc = json.loads(by_layer.read_text())
     assert validation_errors(doc) == []
@@ -231,7 +231,7 @@ def test_bad_input_is_one_line(smol: dict[str, Path], tmp_path: Path, monkeypatc
 def test_units_of_every_kind_on_a_synthetic_model(tmp_path: Path) -> None:
     """No runtime needed: the units a measurement (and the plan reading it) takes."""
     from mosaic.checkpoint.gguf_model import open_gguf_model
-    from mosaic.measure.units import default_unit
+    from mosaic.plan.gguf_units import default_unit
 
     dense = open_gguf_model(write_llama_gguf(tmp_path / "d.gguf", qtype="Q8_0")[0])
     moe = open_gguf_model(write_llama_gguf(tmp_path / "m.gguf", qtype="Q8_0", geometry=Geometry(n_expert=4, n_expert_used=2))[0])
@@ -264,3 +264,81 @@ def test_exl3_sources_without_a_gpu_are_one_line(tmp_path: Path) -> None:
                                   "--text", str(tmp_path / "x.txt"), "--out", str(tmp_path / "m.json")])
     assert r.exit_code == 2 and r.stderr.startswith("mosaic: error: ") and r.stderr.count("\n") == 1
     assert "GPU" in r.stderr or "exl3" in r.stderr
+
+
+class FakeExl3Scorer:
+    """A stand-in for exllamav3 on a GPU behind the same interface: a candidate's KL falls by a fixed amount
+    per layer and donor, so the plan's choice is known; every row moves alike."""
+
+    runtime = {"name": "fake-exllamav3", "version": "0", "threads": 1}
+
+    def __init__(self, base, donors, units, todo, ref, rows, work, progress=None) -> None:  # type: ignore[no-untyped-def]
+        self.units, self.rows = units, len(ref.row_tokens)
+        self.calls: list[tuple[int, str]] = []
+        work.mkdir(parents=True)
+        FakeExl3Scorer.last = self  # type: ignore[attr-defined]
+
+    def _panel(self, kl: float) -> dict:
+        return {"kl": {"mean": kl}, "top1": 0.5 + (1 - kl) / 10, "nll": 3 + kl,
+                "rows": [{"kl": kl + 0.001 * i, "top1": 0.5, "nll": 3.0} for i in range(self.rows)]}
+
+    def base(self) -> dict:
+        return self._panel(1.0)
+
+    def candidate(self, unit: int, donor: str) -> dict:
+        self.calls.append((unit, donor))
+        layer = self.units[unit].layer
+        return self._panel(1.0 - (0.02 if layer in (1, 4) else 0.005) * (2 if donor == "q4" else 1))
+
+    def close(self) -> None:
+        pass
+
+
+def test_exl3_measurement_with_a_stand_in_runtime_plans_and_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The EXL3 path (exllamav3 needs a GPU): units, exact dbytes, the document, and mosaic plan reading it."""
+    import numpy as np
+
+    import mosaic.measure.sides as sides
+    from mosaic.eval.reference import Reference
+    from mosaic.eval.rows import load_rows
+    from mosaic.testing import demo_geometry, write_checkpoint
+
+    base = write_checkpoint(tmp_path / "base", demo_geometry(bits=2, seed=1))
+    q3 = write_checkpoint(tmp_path / "q3", demo_geometry(bits=3, seed=2))
+    q4 = write_checkpoint(tmp_path / "q4", demo_geometry(bits=4, seed=3))
+    text = tmp_path / "rows.txt"
+    text.write_text("one row\nanother row\nthird\n")
+    ref = Reference("teacher", load_rows(text).sha256, {"n_vocab": 8}, 16, 2, [np.arange(5, dtype=np.int32)] * 3,
+                    np.zeros((12, 2), np.int32), np.full((12, 2), -1.0, np.float32))
+    ref.save(tmp_path / "teacher.npz")
+    monkeypatch.setattr(sides, "EXL3_SCORER", FakeExl3Scorer)
+    monkeypatch.setattr(sides, "EXL3_RUNTIME", lambda: dict(FakeExl3Scorer.runtime))
+    out = tmp_path / "m.json"
+    r = CliRunner().invoke(main, ["measure", "--base", str(base), "--donor", f"q3={q3}", "--donor", f"q4={q4}",
+                                  "--reference", str(tmp_path / "teacher.npz"), "--text", str(text), "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["format"] == "exl3" and doc["settings"]["unit"] == "layer-experts"
+    assert [(x["layer"], x["donor"]) for x in doc["results"]] == [(i, d) for i in range(6) for d in ("q3", "q4")]
+    assert all(x["group"] == "mlp.experts" for x in doc["results"])
+    assert doc["runtime"]["name"] == "fake-exllamav3" and len(FakeExl3Scorer.last.calls) == 12  # type: ignore[attr-defined]
+    # dbytes is the growth of the mosaic the build lays out, headers included
+    one = tmp_path / "one.yaml"
+    one.write_text(f"name: one\nbase:\n  path: {base}\ndonors:\n  q4:\n    path: {q4}\nreplace:\n"
+                   "  - from: q4\n    layers: [2]\n    modules: [mlp.experts]\n")
+    assert CliRunner().invoke(main, ["build", str(one), "--out", str(tmp_path / "one")]).exit_code == 0
+    built = sum(p.stat().st_size for p in (tmp_path / "one").glob("*.safetensors"))
+    plain = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    assert built - plain == next(x["dbytes"] for x in doc["results"] if (x["layer"], x["donor"]) == (2, "q4"))
+    # mosaic plan takes the measurement: layers 1 and 4 buy the most, from q4
+    budget = plain + sum(x["dbytes"] for x in doc["results"] if x["donor"] == "q4" and x["layer"] in (1, 4))
+    r = CliRunner().invoke(main, ["plan", "--base", str(base), "--donor", f"q3={q3}", "--donor", f"q4={q4}", "--scores", str(out),
+                                  "--max-size", str(budget), "--out", str(tmp_path / "planned.yaml"), "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert [(c["layer"], c["group"], c["donor"]) for c in rep["chosen"]] == [(1, "mlp.experts", "q4"), (4, "mlp.experts", "q4")]
+    assert rep["chosen"][0]["predicted_dkl"] == pytest.approx(-0.04)
+    assert CliRunner().invoke(main, ["build", str(tmp_path / "planned.yaml"), "--out", str(tmp_path / "planned")]).exit_code == 0
+    assert sum(p.stat().st_size for p in (tmp_path / "planned").glob("*.safetensors")) == rep["predicted_size"]
+    r = CliRunner().invoke(main, ["plan", "--base", str(q3), "--donor", f"q4={q4}", "--scores", str(out), "--layers", "1"])
+    assert r.exit_code == 2 and "measured another base" in r.stderr

@@ -20,6 +20,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mosaic.errors import VerificationError
+from mosaic.hashing import digest_file
+from mosaic.progress import SILENT, Reporter
+
+if TYPE_CHECKING:
+    from mosaic.checkpoint.gguf_model import GGUFModel
+    from mosaic.recipe import SourceSpec
 
 _VERSION = 1
 
@@ -100,3 +109,49 @@ def store(path: str | os.PathLike[str], sha256: str, tensors: dict[str, str], *,
 
 def identity(path: str | os.PathLike[str]) -> list[int] | None:
     return _identity(Path(os.path.realpath(path)))
+
+
+def file_records(model: GGUFModel, spec: SourceSpec, progress: Reporter = SILENT) -> list[dict]:
+    """``[{name, size, sha256}]`` of a model's files: the hub's digests ``mosaic fetch`` verified, else the
+    digest cache, else hashed once (and cached)."""
+    verified: dict[str, str] = {}
+    if spec.repo is not None and spec.revision is not None:
+        from mosaic.hub.snapshot import verified_digests
+
+        verified = verified_digests(spec.repo, spec.revision) or {}
+    out = []
+    for f in model.files:
+        path = model.path(f)
+        size = model.headers[f].file_size
+        sha = verified.get(f)
+        if sha is None:
+            e = lookup(path)
+            if e is not None and e.size == size:
+                sha = e.sha256
+        if sha is None:
+            before = identity(path)
+            d = digest_file(path, on_bytes=progress.step(f"hashing {f}", size))
+            if d.size != size:
+                raise VerificationError(f"{path}: changed size while it was read")
+            store(path, d.sha256, {}, identity_before=before)
+            sha = d.sha256
+        out.append({"name": f, "size": size, "sha256": sha})
+    return out
+
+
+def folder_records(analysis: object, progress: Reporter = SILENT) -> list[dict]:
+    """``[{name, size, sha256}]`` of an EXL3 folder's shards (the digest cache's, else hashed once)."""
+    ck = analysis.ckpt  # type: ignore[attr-defined]
+    out = []
+    for name in ck.shards:
+        path = ck.root / name
+        e = lookup(path)
+        size = path.stat().st_size
+        if e is not None and e.size == size:
+            out.append({"name": name, "size": size, "sha256": e.sha256})
+            continue
+        before = identity(path)
+        d = digest_file(path, on_bytes=progress.step(f"hashing {name}", size))
+        store(path, d.sha256, {}, identity_before=before)
+        out.append({"name": name, "size": d.size, "sha256": d.sha256})
+    return out

@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Protocol
 
 from mosaic.checkpoint.gguf_model import GGUFModel
-from mosaic.errors import MosaicError
 from mosaic.eval.backends import GGUFBackend, batch_size, check_gguf, require_exl3_gpu
 from mosaic.eval.reference import Reference
 from mosaic.eval.rows import Rows
 from mosaic.eval.run import check_tokens, score_against
 from mosaic.eval.runtime import get_runtime
 from mosaic.measure.parts import Parts, lay_out
-from mosaic.measure.units import Unit
+from mosaic.plan.gguf_units import Unit
 from mosaic.progress import SILENT, Reporter
 
 
@@ -74,9 +73,59 @@ class GGUFScorer:
         pass
 
 
+class Exl3Scorer:
+    """exllamav3 on a CUDA GPU. A candidate is built as a mosaic with ``--link``: the shards that hold none of
+    the unit's tensors are hard links, only those that do are written (of the order of the unit's shards, not
+    of the model); it is loaded by exllamav3 and scored, then removed."""
+
+    def __init__(self, base: object, donors: dict[str, object], units: list, todo: list[tuple[int, str]], ref: Reference,
+                 rows: Rows, work: Path, progress: Reporter = SILENT) -> None:
+        require_exl3_gpu("mosaic measure")
+        import importlib.metadata
+
+        self.runtime = {"name": "exllamav3", "version": importlib.metadata.version("exllamav3"), "threads": 1}
+        self._base, self._donors, self._units, self._ref, self._rows = base, donors, units, ref, rows
+        self._work = work
+        work.mkdir(parents=True)
+        self._checked = False
+
+    def _score(self, folder: Path, name: str) -> dict:
+        from mosaic.eval.backends import Exl3Backend
+
+        b = Exl3Backend(folder, self._ref.ctx, batch_size(self._ref.ctx, 1 << 15))
+        try:
+            if not self._checked:
+                check_tokens(b, self._ref, self._rows)
+                self._checked = True
+            return score_against(self._ref, [b])[0]
+        finally:
+            b.close()
+
+    def base(self) -> dict:
+        return self._score(self._base.ckpt.root, "base")  # type: ignore[attr-defined]
+
+    def candidate(self, unit: int, donor: str) -> dict:
+        import shutil
+
+        from mosaic.build.run import build
+
+        u = self._units[unit]
+        rule = f"  - from: {donor}\n    layers: [{u.layer}]\n" + (f"    modules: [{u.pattern}]\n" if u.pattern else "")
+        recipe = self._work / "candidate.yaml"
+        recipe.write_text(f"name: candidate\nbase:\n  path: {self._base.ckpt.root.resolve()}\n"  # type: ignore[attr-defined]
+                          f"donors:\n  {donor}:\n    path: {self._donors[donor].ckpt.root.resolve()}\n"  # type: ignore[attr-defined]
+                          f"replace:\n{rule}")
+        out = self._work / "candidate"
+        try:
+            build(recipe, out=out, force=True, link=True)
+            return self._score(out, f"layer {u.layer} from {donor}")
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    def close(self) -> None:
+        pass
+
+
 def exl3_scorer(*args: object, **kwargs: object) -> Scorer:
     """exllamav3 on a CUDA GPU (the ``exl3`` extra): without one, one line says so."""
-    require_exl3_gpu("mosaic measure")
-    raise MosaicError("mosaic measure of EXL3 models: exllamav3's in-memory module swap is not available in this "
-                      "version; measure a GGUF quantization of the model, or score layers with exllamav3's own "
-                      "measurement and pass it to mosaic plan --scores")
+    return Exl3Scorer(*args, **kwargs)  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from mosaic.faults import check_cancel
 from mosaic.formats.gguf_container import layout, read_gguf
 from mosaic.formats.safetensors_writer import copy_range
 from mosaic.hashing import scratch
-from mosaic.measure.units import Unit
+from mosaic.plan.gguf_units import Unit
 from mosaic.progress import SILENT, Reporter
 
 STEM = "candidate"

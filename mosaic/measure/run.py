@@ -20,22 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mosaic import __version__
-from mosaic.build import digest_cache
-from mosaic.build.gguf_plan import check_same_model
-from mosaic.checkpoint.gguf_model import GGUFModel
-from mosaic.errors import MosaicError, OutputError, SourceError, VerificationError
+from mosaic.errors import MosaicError, OutputError, VerificationError
 from mosaic.eval.reference import Reference, is_reference_file, load_reference
-from mosaic.eval.rows import load_rows
+from mosaic.eval.rows import Rows, load_rows
 from mosaic.eval.run import DEFAULT_CTX, DEFAULT_TOP_K, EvalRequest, evaluate
 from mosaic.faults import point as fault_point
-from mosaic.gguf_sources import gguf_source, is_gguf_src, open_gguf_source
+from mosaic.gguf_sources import is_gguf_src
 from mosaic.hashing import digest_file
-from mosaic.measure.backends import GGUFScorer, Scorer, exl3_scorer
-from mosaic.measure.document import SCHEMA_ID, dumps, validation_errors
+from mosaic.measure.backends import Scorer
 from mosaic.measure.journal import Journal, journal_path
-from mosaic.measure.units import Unit, dbytes, default_unit, donor_has, gguf_units
+from mosaic.measure.parts import check_space
+from mosaic.measure.sides import Side, exl3_side, gguf_side
+from mosaic.plan.gguf_units import Unit
+from mosaic.plan.measurement import SCHEMA_ID, dumps, validation_errors
 from mosaic.progress import SILENT, Reporter
-from mosaic.recipe import SourceSpec
 
 
 @dataclass
@@ -54,70 +52,6 @@ class MeasureRequest:
     workdir: Path | None = None
     threads: int | None = None
     verbose: bool = False
-
-
-def file_records(model: GGUFModel, spec: SourceSpec, progress: Reporter = SILENT) -> list[dict]:
-    """``[{name, size, sha256}]`` of a model's files: the hub's digests ``mosaic fetch`` verified, else the
-    digest cache, else hashed once (and cached)."""
-    verified: dict[str, str] = {}
-    if spec.repo is not None and spec.revision is not None:
-        from mosaic.hub.snapshot import verified_digests
-
-        verified = verified_digests(spec.repo, spec.revision) or {}
-    out = []
-    for f in model.files:
-        path = model.path(f)
-        size = model.headers[f].file_size
-        sha = verified.get(f)
-        if sha is None:
-            e = digest_cache.lookup(path)
-            if e is not None and e.size == size:
-                sha = e.sha256
-        if sha is None:
-            before = digest_cache.identity(path)
-            d = digest_file(path, on_bytes=progress.step(f"hashing {f}", size))
-            if d.size != size:
-                raise VerificationError(f"{path}: changed size while it was read")
-            digest_cache.store(path, d.sha256, {}, identity_before=before)
-            sha = d.sha256
-        out.append({"name": f, "size": size, "sha256": sha})
-    return out
-
-
-def _same_bytes(unit: Unit, base: GGUFModel, donor: GGUFModel) -> bool:
-    """Does the donor hold exactly the base's bytes for every tensor of the unit?"""
-    bt, dt = base.by_name(), donor.by_name()
-    for n in unit.tensors:
-        a, b = bt[n], dt[n]
-        if a.type_id != b.type_id or a.nbytes != b.nbytes:
-            return False
-    for n in unit.tensors:
-        a, b = bt[n], dt[n]
-        with open(base.path(a.file), "rb") as fa, open(donor.path(b.file), "rb") as fb:
-            pos = 0
-            while pos < a.nbytes:
-                k = min(a.nbytes - pos, 8 << 20)
-                fa.seek(a.start + pos)
-                fb.seek(b.start + pos)
-                if fa.read(k) != fb.read(k):
-                    return False
-                pos += k
-    return True
-
-
-def parse_layer_list(text: str) -> set[int]:
-    """``0-5,9,12`` -> {0, 1, 2, 3, 4, 5, 9, 12}."""
-    out: set[int] = set()
-    for part in text.split(","):
-        a, sep, b = part.strip().partition("-")
-        try:
-            lo, hi = int(a), int(b) if sep else int(a)
-        except ValueError:
-            raise MosaicError(f"--only-layers {text!r}: not a list of layers and ranges like 0-5,9,12") from None
-        if lo < 0 or hi < lo:
-            raise MosaicError(f"--only-layers {text!r}: {part.strip()!r} is not a range")
-        out.update(range(lo, hi + 1))
-    return out
 
 
 def _sha256(path: Path) -> str:
@@ -156,21 +90,8 @@ def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
     if len(set(ids)) != len(ids):
         raise MosaicError(f"--donor {next(d for d in ids if ids.count(d) > 1)}: given twice")
 
-    if not is_gguf_src(req.base):
-        return _exl3(req)
-    base_spec = gguf_source(req.base, "--base", "base")
-    base = open_gguf_source(base_spec, Path.cwd())
-    donors: dict[str, GGUFModel] = {}
-    donor_specs: dict[str, SourceSpec] = {}
-    for did, src in req.donors:
-        if not is_gguf_src(src):
-            raise SourceError(f"--donor {did}: {src} is not a GGUF model, but the base is")
-        donor_specs[did] = gguf_source(src, f"--donor {did}", did)
-        donors[did] = open_gguf_source(donor_specs[did], Path.cwd())
-        check_same_model(base, did, donors[did])
-    unit_kind = req.unit or default_unit(base)
-    only = parse_layer_list(req.only_layers) if req.only_layers else None
-    units = gguf_units(base, unit_kind, only)
+    side = gguf_side(req, progress) if is_gguf_src(req.base) else exl3_side(req, progress)
+    only = side.layers
     rows = load_rows(req.text)
 
     saved = is_reference_file(req.reference)
@@ -186,21 +107,16 @@ def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
                      "runtime": ref0.runtime}
     else:
         ctx, k = req.ctx or DEFAULT_CTX, req.top_k or DEFAULT_TOP_K
-        ref_model = open_gguf_source(gguf_source(req.reference, "--reference", "reference"), Path.cwd())
         reference = {"source": req.reference, "kind": "model", "model": req.reference,
-                     "files": file_records(ref_model, gguf_source(req.reference, "--reference", "reference"), progress)}
-
-    from mosaic.eval.runtime import get_runtime
-
-    runtime = get_runtime(threads=req.threads, verbose=req.verbose).info.as_dict()
-    base_files = file_records(base, base_spec, progress)
-    donor_files = {d: file_records(m, donor_specs[d], progress) for d, m in donors.items()}
-    runs = [(ui, d) for ui, u in enumerate(units) for d in ids if donor_has(u, base, donors[d])]
+                     "files": side.reference_files(req.reference, progress)}
+    runtime = side.runtime
+    base_files, donor_files = side.base_files, side.donor_files
+    runs = side.runs
     if not runs:
         raise MosaicError("no donor has any unit of the selected layers")
     layers = sorted(only) if only is not None else None
-    settings = {"unit": unit_kind, "ctx": ctx, "top_k": k, "layers": layers, "kl": {"kind": "top-k lower bound", "k": k}}
-    fingerprint = {"base": base_files, "donors": donor_files, "text": rows.sha256,
+    settings = {"unit": side.unit, "ctx": ctx, "top_k": k, "layers": layers, "kl": {"kind": "top-k lower bound", "k": k}}
+    fingerprint = {"format": side.format, "base": base_files, "donors": donor_files, "text": rows.sha256,
                    "reference": {key: v for key, v in reference.items() if key != "source"},
                    "settings": settings, "runtime": runtime, "tool": __version__}
     if req.force:
@@ -208,8 +124,7 @@ def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
         teacher_path.unlink(missing_ok=True)
     journal = Journal.resume(jpath, fingerprint) if req.resume else Journal.start(jpath, fingerprint)
     try:
-        return _run(req, journal, base, donors, units, runs, rows, reference, teacher_path, settings, runtime,
-                    base_files, donor_files, base_spec, out, started, progress)
+        return _run(req, journal, side, rows, reference, teacher_path, settings, out, started, progress)
     finally:
         journal.close()
 
@@ -231,13 +146,12 @@ def _teacher(req: MeasureRequest, journal: Journal, reference: dict, teacher_pat
     return load_reference(teacher_path)
 
 
-def _run(req: MeasureRequest, journal: Journal, base: GGUFModel, donors: dict[str, GGUFModel], units: list[Unit],
-         runs: list[tuple[int, str]], rows: object, reference: dict, teacher_path: Path, settings: dict, runtime: dict,
-         base_files: list, donor_files: dict, base_spec: SourceSpec, out: Path, started: float,
-         progress: Reporter) -> dict:
+def _run(req: MeasureRequest, journal: Journal, side: Side, rows: Rows, reference: dict, teacher_path: Path,
+         settings: dict, out: Path, started: float, progress: Reporter) -> dict:
+    units, runs = side.units, side.runs
     ref = _teacher(req, journal, reference, teacher_path, settings["ctx"], settings["top_k"], progress)
     done = {(r["layer"], r["group"], r["donor"]): r for r in journal.records if r["kind"] == "result"}
-    same = [(ui, d) for ui, d in runs if (units[ui].layer, units[ui].group, d) not in done and _same_bytes(units[ui], base, donors[d])]
+    same = [(ui, d) for ui, d in runs if (units[ui].layer, units[ui].group, d) not in done and side.same_bytes(ui, d)]
     todo = [(ui, d) for ui, d in runs if (units[ui].layer, units[ui].group, d) not in done and (ui, d) not in same]
     base_rec = next((r for r in journal.records if r["kind"] == "base"), None)
     workdir = Path(req.workdir) if req.workdir is not None else out.parent
@@ -245,13 +159,10 @@ def _run(req: MeasureRequest, journal: Journal, base: GGUFModel, donors: dict[st
     work: Path | None = None
     try:
         if todo or base_rec is None:
-            from mosaic.measure.parts import check_space, part_bytes
-
-            check_space(workdir, part_bytes(base, units, donors, todo))
+            check_space(workdir, side.space_needed(todo))
             work = workdir / f".{out.name}.measure-{os.getpid()}"
             shutil.rmtree(work, ignore_errors=True)
-            scorer = GGUFScorer(base, donors, units, todo, ref, rows, work, threads=req.threads, verbose=req.verbose,  # type: ignore[arg-type]
-                                progress=progress)
+            scorer = side.scorer(todo, ref, rows, work, req, progress)
         if base_rec is None:
             assert scorer is not None
             t0 = time.monotonic()
@@ -262,7 +173,7 @@ def _run(req: MeasureRequest, journal: Journal, base: GGUFModel, donors: dict[st
         b_rows = list(zip(*base_rec["rows"])) if base_rec["rows"] else ([], [], [])
         for ui, d in same:
             u = units[ui]
-            journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "dbytes": dbytes(u, base, donors[d]),
+            journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "dbytes": side.dbytes[(ui, d)],
                          "kl": base_rec["kl"], "dkl": 0.0, "dkl_se": 0.0, "dtop1": 0.0, "dnll": 0.0, "same_as_base": True,
                          "seconds": 0.0})
         advance = progress.step(f"{len(todo)} candidates ({len(done)} measured before)", len(todo))
@@ -272,7 +183,7 @@ def _run(req: MeasureRequest, journal: Journal, base: GGUFModel, donors: dict[st
             t0 = time.monotonic()
             p = scorer.candidate(ui, d)
             c_kl = [r["kl"] for r in p["rows"]]
-            journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "dbytes": dbytes(u, base, donors[d]),
+            journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "dbytes": side.dbytes[(ui, d)],
                          "kl": p["kl"]["mean"], "dkl": p["kl"]["mean"] - base_rec["kl"], "dkl_se": _se(c_kl, list(b_rows[0])),
                          "dtop1": p["top1"] - base_rec["top1"], "dnll": p["nll"] - base_rec["nll"],
                          "seconds": time.monotonic() - t0})
@@ -289,15 +200,15 @@ def _run(req: MeasureRequest, journal: Journal, base: GGUFModel, donors: dict[st
     doc = {
         "schema": SCHEMA_ID,
         "tool": {"name": "mosaic", "version": __version__},
-        "format": "gguf",
-        "base": {"source": req.base, "files": base_files, "bytes": base.size, "kl": base_rec["kl"], "top1": base_rec["top1"],
-                 "nll": base_rec["nll"]},
-        "donors": {d: {"source": src, "files": donor_files[d]} for d, src in req.donors},
+        "format": side.format,
+        "base": {"source": req.base, "files": side.base_files, "bytes": side.base_bytes, "kl": base_rec["kl"],
+                 "top1": base_rec["top1"], "nll": base_rec["nll"]},
+        "donors": {d: {"source": src, "files": side.donor_files[d]} for d, src in req.donors},
         "reference": reference,
         "text": {"file": str(req.text), "sha256": ref.text_sha256, "rows": len(ref.row_tokens),
                  "positions": int(ref.top_ids.shape[0])},
         "settings": settings,
-        "runtime": runtime,
+        "runtime": side.runtime,
         "seconds": round(time.monotonic() - started, 3),
         "seconds_per_candidate": round(statistics.mean(cand_seconds), 3) if cand_seconds else None,
         "results": [_result(results[key], units[ui]) for key, (ui, _) in zip(order, runs)],
@@ -320,8 +231,3 @@ def _result(rec: dict, unit: Unit) -> dict:
     if rec.get("same_as_base"):
         out["same_as_base"] = True
     return out
-
-
-def _exl3(req: MeasureRequest) -> dict:
-    exl3_scorer()
-    raise AssertionError("unreachable")  # exl3_scorer raises a one-line error without exllamav3 and a GPU

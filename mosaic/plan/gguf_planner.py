@@ -116,7 +116,7 @@ class _Choice:
 
 def _measurement_doc(path: Path) -> dict | None:
     """The scores file as a ``mosaic.measurement/v1`` document, or ``None`` when it is another kind."""
-    from mosaic.measure.document import SCHEMA_ID, load_measurement
+    from mosaic.plan.measurement import SCHEMA_ID, load_measurement
 
     try:
         head = path.read_bytes()[:4096]
@@ -154,8 +154,8 @@ def _per_layer_choice(r: object, base: GGUFModel, base_spec: SourceSpec) -> tupl
 
 def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpec) -> tuple[_Choice, list[str]]:
     """Units × donors from a measurement of these very sources: the score of an option is its −dkl."""
-    from mosaic.measure.run import file_records
-    from mosaic.measure.units import dbytes, gguf_units
+    from mosaic.build.digest_cache import file_records
+    from mosaic.plan.gguf_units import dbytes, gguf_units
 
     path = r.scores  # type: ignore[attr-defined]
     if doc["format"] != "gguf":

@@ -37,7 +37,7 @@ from mosaic.checkpoint.census import Analysis
 from mosaic.checkpoint.exl3 import is_decoder_linear
 from mosaic.errors import MosaicError, SourceError, VerificationError
 from mosaic.plan.costs import SizeModel, bit_weight_deltas
-from mosaic.plan.scores import load_scores
+from mosaic.plan.scores import ScoresError, load_scores
 from mosaic.plan.solver import Option, Solution, choose_count, greedy, solve_pareto, solve_within_size
 from mosaic.plan.units import PlanError, Unit, find_units
 from mosaic.recipe import (
@@ -181,6 +181,50 @@ def _check_candidates(base: Analysis, donors: dict[str, Analysis], units: list[U
                     raise SourceError(f"donor {did!r}: {k} ({u.label}) differs from the base in structure or codebook")
 
 
+def _measurement(req: PlanRequest, base: Analysis, donors: dict[str, Analysis]) -> tuple[str, dict] | None:
+    """(unit, document) when the scores file is a ``mosaic measure`` document of these very sources."""
+    from mosaic.build.digest_cache import folder_records
+    from mosaic.plan.measurement import SCHEMA_ID, load_measurement
+
+    try:
+        head = req.scores.read_bytes()[:4096]
+    except OSError as e:
+        raise ScoresError(f"{req.scores}: cannot read scores: {e.strerror or e}") from None
+    if SCHEMA_ID.encode() not in head:
+        return None
+    doc = load_measurement(req.scores)
+    if doc["format"] != "exl3":
+        raise ScoresError(f"{req.scores}: a measurement of GGUF models; the base is an EXL3 folder")
+    kind = doc["settings"]["unit"]
+    if req.unit_explicit and req.unit != kind:
+        raise ScoresError(f"{req.scores}: measures {kind} units, not {req.unit} (--unit); measure again with --unit {req.unit}")
+    if folder_records(base) != doc["base"]["files"]:
+        raise ScoresError(f"{req.scores}: measured another base ({doc['base']['source']}): its shards' digests differ from {req.base}'s")
+    for did, d in donors.items():
+        if did not in doc["donors"]:
+            raise ScoresError(f"{req.scores}: has no donor {did!r} (it measured {', '.join(doc['donors'])})")
+        if folder_records(d) != doc["donors"][did]["files"]:
+            raise ScoresError(f"{req.scores}: measured another donor {did!r}: its shards' digests differ")
+    return kind, doc
+
+
+def _measured_scores(req: PlanRequest, doc: dict, units: list[Unit]) -> tuple[dict, dict, list[str]]:
+    index = {(u.layer, u.pattern): u.index for u in units}
+    scores: dict[tuple[int, str], Fraction] = {}
+    predicted: dict[tuple[int, str], float] = {}
+    for res in doc["results"]:
+        ui = index.get((res["layer"], res["group"]))
+        if ui is None:
+            raise ScoresError(f"{req.scores}: unit {res['group']} of layer {res['layer']} is not in the base")
+        predicted[(ui, res["donor"])] = res["dkl"]
+        gain = -Fraction(Decimal(repr(res["dkl"])))
+        if gain > 0:
+            scores[(ui, res["donor"])] = gain
+    if not scores:
+        raise ScoresError(f"{req.scores}: no measured unit lowers the KL")
+    return scores, predicted, []
+
+
 def plan_mosaic(req: PlanRequest) -> PlanResult:
     """Solve the request and return the report, the recipe text and the real build plan of it."""
     modes = [x is not None for x in (req.max_size, req.target_rate, req.layers)]
@@ -196,9 +240,15 @@ def plan_mosaic(req: PlanRequest) -> PlanResult:
     specs = {did: parse_source(src, f"--donor {did}", did, hub_bytes) for did, src in req.donors}
     base = _load(base_spec, base_dir, "base", "base" in hub_bytes)
     donors = {did: _load(spec, folder, did, did in hub_bytes) for did, (spec, folder) in specs.items()}
-    units = find_units(base, req.unit)
+    measured = _measurement(req, base, donors)
+    kind = measured[0] if measured else req.unit
+    units = find_units(base, kind)
     _check_candidates(base, donors, units)
-    scores, notes = load_scores(req.scores, units, req.unit, base, ids)
+    measured_dkl: dict[tuple[int, str], float] = {}
+    if measured:
+        scores, measured_dkl, notes = _measured_scores(req, measured[1], units)
+    else:
+        scores, notes = load_scores(req.scores, units, req.unit, base, ids)
     model = SizeModel(base, donors, units)
     bw = bit_weight_deltas(base, donors, units)
 
@@ -271,6 +321,9 @@ def plan_mosaic(req: PlanRequest) -> PlanResult:
         raise VerificationError(f"plan: the size model says {predicted} bytes but the build plan lays out {plan.shard_bytes}")
 
     def listing(sol: Solution) -> list[dict]:
+        if measured:
+            return [{"layer": units[o.unit].layer, "group": units[o.unit].pattern, "donor": o.donor,
+                     "predicted_dkl": measured_dkl[(o.unit, o.donor)]} for o in sol.picks]
         return [{"layer": units[o.unit].layer, "donor": o.donor} for o in sol.picks]
 
     r = plan.rates
