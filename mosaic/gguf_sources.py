@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mosaic.checkpoint.gguf_model import GGUFModel, is_gguf_location, open_gguf_model
 from mosaic.errors import MosaicError, RecipeError, SourceError
+from mosaic.formats.gguf_container import GGUFFile
 from mosaic.recipe import _REV_RE, REPO_RE, Recipe, SourceSpec
+
+if TYPE_CHECKING:
+    from mosaic.hub.partial import PartialSnapshot
 
 
 def _location(spec: SourceSpec, relative_to: Path) -> Path:
@@ -59,9 +64,38 @@ def is_gguf_recipe(recipe: Recipe, relative_to: Path | None = None) -> bool:
     return gguf
 
 
-def open_gguf_source(spec: SourceSpec, relative_to: Path) -> GGUFModel:
-    """The model a GGUF source names; a hub source missing from the cache says how to get it."""
+def open_gguf_hub(spec: SourceSpec) -> tuple[GGUFModel, PartialSnapshot]:
+    """A hub source not in the local cache, opened from its headers read by HTTP ranges (nothing of its
+    tensors): only the files of the quantization ``file`` names (a whole split set) are touched."""
+    from mosaic.hub.fetch import select_files
+    from mosaic.hub.partial import PartialSnapshot
+
+    assert spec.repo is not None and spec.revision is not None
+    snap = PartialSnapshot(spec.repo, spec.revision)
+    ggufs = [n for n in snap.listing if n.endswith(".gguf")]
+    names = sorted(select_files(ggufs, [spec.file]) if spec.file is not None else ggufs)
+    if not names:
+        raise SourceError(f"source {spec.id!r} ({spec.describe()}): no .gguf file of the commit matches {spec.file!r}")
+    snap.prepare(names)
+
+    def read(path: Path) -> GGUFFile:
+        return snap.read_gguf(path.relative_to(snap.folder).as_posix())
+
+    try:
+        return open_gguf_model(snap.folder, spec.file, read=read), snap
+    except SourceError as e:
+        raise SourceError(f"source {spec.id!r} ({spec.describe()}): {e}") from None
+
+
+def open_gguf_source(spec: SourceSpec, relative_to: Path, *, ranges: dict[str, PartialSnapshot] | None = None) -> GGUFModel:
+    """The model a GGUF source names. A hub source missing from the cache is read by ranges when the
+    caller gives ``ranges`` (its partial snapshot is put there, under the source's id); otherwise the
+    error says how to get it."""
     where = _location(spec, relative_to)
+    if spec.repo is not None and not where.is_dir() and ranges is not None:
+        model, snap = open_gguf_hub(spec)
+        ranges[spec.id] = snap
+        return model
     if spec.repo is not None and not where.is_dir():
         raise SourceError(
             f"source {spec.id!r}: {spec.repo}@{spec.revision} is not in the local Hugging Face cache; "

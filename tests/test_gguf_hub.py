@@ -90,3 +90,65 @@ def test_a_pattern_that_names_nothing_is_refused(hub: FakeHub, gguf_repo: str, t
     assert r.exit_code == 2 and "'*Q6_K*' names no file of the repository" in r.output
     with pytest.raises(SourceError, match="not in the local Hugging Face cache"):
         build(recipe, out=tmp_path / "o")
+
+
+# --- headers by ranges: census and plan of GGUF hub sources, nothing of their tensors ------------------------
+
+
+def _served(fake: FakeHub, repo: str) -> dict[str, int]:
+    return {p: n for (r, p), n in fake.served.items() if r == repo}
+
+
+@pytest.fixture
+def big_vocab_repo(hub: FakeHub, tmp_path: Path) -> tuple[str, Path]:  # noqa: F811
+    """A model whose header is several MB (a 150,000-token vocabulary): read as the parse asks for it."""
+    from mosaic.testing_gguf import Geometry
+
+    src = tmp_path / "big"
+    geo = Geometry(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=32, n_vocab=150_000)
+    write_llama_gguf(src / "big-Q4_0.gguf", qtype="Q4_0", geometry=geo)
+    write_llama_gguf(src / "big-Q8_0.gguf", qtype="Q8_0", geometry=geo)
+    return hub.commit("test-org/big-GGUF", files_of(src)), src
+
+
+def test_census_of_a_gguf_hub_source_reads_its_header_only(hub: FakeHub, big_vocab_repo: tuple[str, Path]) -> None:  # noqa: F811
+    from mosaic.formats.gguf_container import read_gguf
+
+    sha, src = big_vocab_repo
+    header = read_gguf(src / "big-Q4_0.gguf").data_start
+    assert header > 3 << 20  # larger than the first read
+    r = CliRunner().invoke(main, ["census", f"test-org/big-GGUF@{sha}:big-Q4_0.gguf", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    served = _served(hub, "test-org/big-GGUF")
+    assert set(served) == {"big-Q4_0.gguf"}  # not the other quantization
+    assert header <= served["big-Q4_0.gguf"] <= header * 1.5 + (1 << 20) < (src / "big-Q4_0.gguf").stat().st_size
+    assert doc["hub_bytes_read"] == served["big-Q4_0.gguf"]
+    local = json.loads(CliRunner().invoke(main, ["census", str(src / "big-Q4_0.gguf"), "--json"]).stdout)
+    assert {k: v for k, v in doc.items() if k not in ("path", "hub_bytes_read")} == {k: v for k, v in local.items() if k != "path"}
+    again = CliRunner().invoke(main, ["census", f"test-org/big-GGUF@{sha}:big-Q4_0.gguf", "--json"])
+    assert json.loads(again.stdout)["hub_bytes_read"] == 0  # the ranges are cached (and hashed again before use)
+
+
+def test_plan_of_gguf_hub_sources_reads_headers_only_and_equals_the_local_plan(hub: FakeHub, gguf_repo: str,  # noqa: F811
+                                                                               tmp_path: Path) -> None:
+    from mosaic.formats.gguf_container import read_gguf
+
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"higher_is_better": True, "scores": {"0": 0.1, "1": 0.9, "2": 0.5, "3": 0.2}}))
+    r = CliRunner().invoke(main, ["plan", "--base", f"{REPO}@{gguf_repo}:tiny-Q4_0.gguf", "--donor", f"q8={REPO}@{gguf_repo}:Q8_0/*.gguf",
+                                  "--scores", str(scores), "--layers", "2", "--unit", "layer", "--out", str(tmp_path / "p.yaml"),
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    remote = json.loads(r.stdout)
+    served = _served(hub, REPO)
+    src = tmp_path / "repo"
+    assert set(served) == {"tiny-Q4_0.gguf", *(f"Q8_0/{p.name}" for p in (src / "Q8_0").glob("*.gguf"))}
+    for name, n in served.items():
+        assert n == min((src / name).stat().st_size, 1 << 20)  # one first read covers these small headers
+    assert remote["hub_bytes_read"] == {"base": served["tiny-Q4_0.gguf"],
+                                        "q8": sum(n for k, n in served.items() if k.startswith("Q8_0/"))}
+    local = json.loads(CliRunner().invoke(main, ["plan", "--base", str(src / "tiny-Q4_0.gguf"), "--donor", f"q8={src / 'Q8_0'}",
+                                                 "--scores", str(scores), "--layers", "2", "--unit", "layer", "--json"]).stdout)
+    assert (remote["chosen"], remote["predicted_size"]) == (local["chosen"], local["predicted_size"])
+    assert read_gguf(src / "tiny-Q4_0.gguf").data_start < served["tiny-Q4_0.gguf"]

@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "hub": {"formats", "recipe", "records"},
     "sources": {"recipe", "hub"},
     "card": {"checkpoint", "recipe", "records"},
-    "gguf_sources": {"checkpoint", "recipe", "hub"},
+    "gguf_sources": {"formats", "checkpoint", "recipe", "hub"},
     "gguf_select": {"checkpoint", "recipe"},
     "gguf_card": {"recipe"},
     "build": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records", "gguf_sources", "gguf_select",

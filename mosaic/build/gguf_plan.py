@@ -198,13 +198,15 @@ def _parts(tensors: list[tuple[str, tuple[int, ...], int, int]], max_size: int |
     return parts
 
 
-def plan_gguf(recipe: Recipe) -> GGUFPlan:
-    """Open the sources, run the preflight, select and lay out every output file."""
+def plan_gguf(recipe: Recipe, *, ranges: dict | None = None) -> GGUFPlan:
+    """Open the sources, run the preflight, select and lay out every output file. With ``ranges`` (a dict
+    of partial snapshots by source id), hub sources missing from the cache are opened from their headers
+    read by HTTP ranges, and their snapshots put there."""
     used = {r.donor for r in recipe.rules}
     unused = [d for d in recipe.donors if d not in used]
     if unused:
         raise SourceError(f"{recipe.file}: donors: {', '.join(unused)} is used by no replace rule")
-    models = {sid: open_gguf_source(spec, recipe.folder) for sid, spec in recipe.sources.items()}
+    models = {sid: open_gguf_source(spec, recipe.folder, ranges=ranges) for sid, spec in recipe.sources.items()}
     base = models["base"]
     for sid, m in models.items():
         if sid != "base":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path, PurePosixPath
@@ -174,14 +175,16 @@ def find_model_files(path: Path, pattern: str | None = None) -> tuple[Path, list
     return path, models[0]
 
 
-def open_gguf_model(path: str | Path, pattern: str | None = None) -> GGUFModel:
-    """Open the model ``path`` names (a file, a split set's first file, or a folder + ``pattern``)."""
+def open_gguf_model(path: str | Path, pattern: str | None = None, *,
+                    read: Callable[[Path], GGUFFile] = read_gguf) -> GGUFModel:
+    """Open the model ``path`` names (a file, a split set's first file, or a folder + ``pattern``); ``read``
+    parses one file's header (by default from the file; a hub source read by ranges gives its own)."""
     root, files = find_model_files(Path(path), pattern)
     headers: dict[str, GGUFFile] = {}
     tensors: list[GGUFTensor] = []
     for i, name in enumerate(files):
         try:
-            h = read_gguf(root / name)
+            h = read(root / name)
         except GGUFError as e:
             raise SourceError(str(e)) from None
         except OSError as e:

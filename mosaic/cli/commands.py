@@ -114,8 +114,20 @@ def census(directory: Path, as_json: bool) -> None:
     from mosaic.checkpoint.folder import open_checkpoint
     from mosaic.checkpoint.gguf_model import is_gguf_location
     from mosaic.cli.render import render_census
+    from mosaic.gguf_sources import is_gguf_src
 
-    if directory.exists() and is_gguf_location(directory):  # a .gguf file, a split set's first file, a folder of one GGUF model
+    if not directory.exists() and is_gguf_src(str(directory)):  # org/name@<commit>:<file or glob>
+        from mosaic.checkpoint.gguf_census import gguf_census
+        from mosaic.cli.render import render_gguf_census
+        from mosaic.gguf_sources import gguf_source, open_gguf_source
+
+        snaps: dict = {}
+        rep = gguf_census(open_gguf_source(gguf_source(str(directory), "census", "base"), Path.cwd(), ranges=snaps))
+        rep["path"] = str(directory)
+        if snaps:
+            rep["hub_bytes_read"] = sum(s.reader.bytes_read for s in snaps.values())
+        render = render_gguf_census
+    elif directory.exists() and is_gguf_location(directory):  # a .gguf file, a split set's first file, a folder of one GGUF model
         from mosaic.checkpoint.gguf_census import gguf_census
         from mosaic.checkpoint.gguf_model import open_gguf_model
         from mosaic.cli.render import render_gguf_census

@@ -128,6 +128,8 @@ def render_gguf_census(console: Console, rep: dict) -> None:
         f"general.file_type {lit(rep['file_type'])}"
     )
     console.print(f"{_rate(rate['all'])} bits per weight over all tensors, {_rate(rate['layers'])} over the blk.N layers")
+    if rep.get("hub_bytes_read") is not None:
+        console.print(f"read {rep['hub_bytes_read']:,} bytes from the hub by ranges (headers only)")
     types = Table(title="tensor types", show_edge=False)
     for col in ("type", "bits", "tensors", "bytes"):
         types.add_column(col, justify="right")

@@ -228,9 +228,12 @@ def layout(kvs: list[KV], tensors: list[tuple[str, tuple[int, ...], int, int]], 
 class GGUFError(FormatError):
     """A GGUF file breaks one rule of the format; ``rule`` names which."""
 
-    def __init__(self, path: object, rule: str, detail: str, key: str | None = None, tensor: str | None = None) -> None:
+    def __init__(self, path: object, rule: str, detail: str, key: str | None = None, tensor: str | None = None,
+                 need: int | None = None) -> None:
         self.path = str(path)
         self.rule = rule
+        #: for a header cut short (``truncated``): the bytes the parse needs at least, to read that many
+        self.need = need
         self.key = key
         self.tensor = tensor
         where = self.path + (f": key {key!r}" if key else "") + (f": tensor {tensor!r}" if tensor else "")
@@ -261,7 +264,7 @@ class _Cursor:
 
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
-            raise GGUFError(self.path, "truncated", f"file ends inside {what}")
+            raise GGUFError(self.path, "truncated", f"file ends inside {what}", need=self.pos + max(n, 0))
         b = self.data[self.pos : self.pos + n]
         self.pos += n
         return b
@@ -288,7 +291,7 @@ def _read_value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[objec
         if item not in VALUE_TYPE_NAMES or item == ARRAY:
             raise GGUFError(c.path, "kv-type", f"unknown array element type {item}", key=key)
         if n > len(c.data):
-            raise GGUFError(c.path, "truncated", f"array of {n} elements cannot fit", key=key)
+            raise GGUFError(c.path, "truncated", f"array of {n} elements cannot fit", key=key, need=c.pos + n)
         return [_read_value(c, item, key, depth + 1)[0] for _ in range(n)], item
     fmt = _SCALAR_FMT.get(vtype)
     if fmt is None:
@@ -318,6 +321,12 @@ def read_gguf(path: str | os.PathLike[str], max_header: int = 1 << 30) -> GGUFFi
             if e.rule != "truncated" or want >= min(size, max_header):
                 raise
             want = min(size, max_header, want * 2)
+
+
+def parse_gguf_header(path: str | os.PathLike[str], data: bytes, size: int) -> GGUFFile:
+    """Parse a header from its first bytes ``data`` of a file of ``size`` bytes (read elsewhere, e.g. by
+    HTTP ranges); a ``truncated`` error's ``need`` says how many bytes the parse needs at least."""
+    return _parse_gguf(str(path), data, size)
 
 
 def _parse_gguf(p: str, data: bytes, size: int) -> GGUFFile:
@@ -370,7 +379,7 @@ def _parse_gguf(p: str, data: bytes, size: int) -> GGUFFile:
         infos.append((name, tuple(ne), type_id, offset))
     data_start = align(c.pos, alignment)
     if data_start > size or data_start > len(data):
-        raise GGUFError(p, "truncated", "file ends before the data section")
+        raise GGUFError(p, "truncated", "file ends before the data section", need=data_start)
     if any(data[c.pos : data_start]):
         raise GGUFError(p, "padding", "non-zero bytes in the padding before the data section")
     tensors = []

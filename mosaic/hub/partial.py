@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mosaic.errors import VerificationError
+from mosaic.formats.gguf_container import GGUFError, GGUFFile, parse_gguf_header
 from mosaic.formats.safetensors_reader import MAX_HEADER_SIZE
 from mosaic.hashing import parallel_map
 from mosaic.hub.ranges import RangeReader
@@ -38,6 +39,8 @@ from mosaic.progress import SILENT, Reporter
 PIECE = 64 << 20
 #: The first read of a safetensors shard; almost every header fits (the rest is read when it does not).
 HEADER_PROBE = 100_000
+#: The first read of a GGUF header (the rest is read as the parse asks for it).
+GGUF_FIRST_READ = 1 << 20
 SHARD_SUFFIX = ".safetensors"
 
 
@@ -286,6 +289,27 @@ class PartialSnapshot:
             if end > HEADER_PROBE:
                 rest[n] = [(HEADER_PROBE, end)]
         return got + (self.ensure(rest, jobs=jobs, progress=progress) if rest else 0)
+
+    def read_gguf(self, name: str, *, progress: Reporter = SILENT) -> GGUFFile:
+        """A GGUF file's header, strictly parsed, read by ranges: a first MiB, then what the parse says it
+        needs (a large vocabulary's header is several MB), growing by half at least each time."""
+        size = self.file(name).size
+        want = min(size, GGUF_FIRST_READ)
+        while True:
+            self.ensure({name: [(0, want)]}, progress=progress)
+            with open(self.folder / name, "rb") as fh:
+                data = fh.read(want)
+            try:
+                return parse_gguf_header(self.folder / name, data, size)
+            except GGUFError as e:
+                if e.rule != "truncated" or e.need is None or want >= size:
+                    raise
+                want = min(size, max(e.need + (256 << 10), want + want // 2))
+
+    def prepare(self, names: Iterable[str]) -> None:
+        """Full-size sparse files for ``names`` (nothing read), so the folder lists them as a snapshot would."""
+        for n in names:
+            self._prepare(n)
 
     def open_for_reading(self, *, small: Iterable[str] | None = None, jobs: int = 8, progress: Reporter = SILENT) -> int:
         """Everything the strict checkpoint reader opens: the small files (all non-shard files of the

@@ -127,7 +127,7 @@ def _measurement_doc(path: Path) -> dict | None:
     return load_measurement(path)
 
 
-def _per_layer_choice(r: object, base: GGUFModel, base_spec: SourceSpec) -> tuple[_Choice, list[str]]:
+def _per_layer_choice(r: object, base: GGUFModel, base_spec: SourceSpec, hub: dict) -> tuple[_Choice, list[str]]:
     donors_arg: list[tuple[str, str]] = r.donors  # type: ignore[attr-defined]
     if len(donors_arg) != 1:
         raise MosaicError(f"a GGUF plan from per-layer scores takes exactly one --donor (given {len(donors_arg)}); "
@@ -136,7 +136,7 @@ def _per_layer_choice(r: object, base: GGUFModel, base_spec: SourceSpec) -> tupl
     if not is_gguf_src(dsrc):
         raise MosaicError(f"--donor {did}: {dsrc} is not a GGUF model, but the base is")
     donor_spec = gguf_source(dsrc, f"--donor {did}", did)
-    donor = open_gguf_source(donor_spec, Path.cwd())
+    donor = open_gguf_source(donor_spec, Path.cwd(), ranges=hub)
     check_same_model(base, did, donor)
     gunits = find_gguf_units(base, r.unit)  # type: ignore[attr-defined]
     layers = {t.layer for t in base.tensors if t.layer is not None}
@@ -152,7 +152,7 @@ def _per_layer_choice(r: object, base: GGUFModel, base_spec: SourceSpec) -> tupl
     return _Choice(units, options, delta, bits, {}, [(did, donor_spec, donor)], r.unit), notes  # type: ignore[attr-defined]
 
 
-def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpec) -> tuple[_Choice, list[str]]:
+def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpec, hub: dict) -> tuple[_Choice, list[str]]:
     """Units × donors from a measurement of these very sources: the score of an option is its −dkl."""
     from mosaic.build.digest_cache import file_records
     from mosaic.plan.gguf_units import dbytes, gguf_units
@@ -172,7 +172,7 @@ def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpe
         if not is_gguf_src(dsrc):
             raise MosaicError(f"--donor {did}: {dsrc} is not a GGUF model, but the base is")
         spec = gguf_source(dsrc, f"--donor {did}", did)
-        model = open_gguf_source(spec, Path.cwd())
+        model = open_gguf_source(spec, Path.cwd(), ranges=hub)
         check_same_model(base, did, model)
         if file_records(model, spec) != doc["donors"][did]["files"]:
             raise ScoresError(f"{path}: measured another donor {did!r} ({doc['donors'][did]['source']}): "
@@ -239,9 +239,11 @@ def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     recipe_dir = (r.out.parent if r.out else Path.cwd()).resolve()  # type: ignore[attr-defined]
     recipe_dir.mkdir(parents=True, exist_ok=True)  # the recipe's sources are resolved from its folder
     base_spec = gguf_source(r.base, "--base", "base")  # type: ignore[attr-defined]
-    base = open_gguf_source(base_spec, Path.cwd())
+    hub: dict = {}  # hub sources not in the cache: their headers read by ranges
+    base = open_gguf_source(base_spec, Path.cwd(), ranges=hub)
     doc = _measurement_doc(r.scores)  # type: ignore[attr-defined]
-    choice, notes = _measured_choice(r, doc, base, base_spec) if doc is not None else _per_layer_choice(r, base, base_spec)
+    choice, notes = (_measured_choice(r, doc, base, base_spec, hub) if doc is not None
+                     else _per_layer_choice(r, base, base_spec, hub))
     name = _name(base_spec, base)
     # the header does not depend on the choice: lay it out once with the keys the build writes
     probe = Recipe(name, base_spec, {}, (), None, (), recipe_dir / "x.yaml", b"")
@@ -287,7 +289,7 @@ def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     text = "# written by mosaic plan; build it with: mosaic build THIS_FILE\n" + yaml.safe_dump(
         out_doc, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
     recipe = parse_recipe(text.encode(), (r.out.resolve() if r.out else recipe_dir / "mosaic-plan.yaml"))  # type: ignore[attr-defined]
-    plan = plan_gguf(recipe)
+    plan = plan_gguf(recipe, ranges=dict(hub))
     predicted = size(best.picks)
     if plan.size != predicted:
         raise VerificationError(f"plan: the size model says {predicted} bytes but the build plan lays out {plan.size}")
@@ -314,6 +316,10 @@ def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
         "rate": {"exact": f(rates["exact"]), "by_bytes": f(rates["by_bytes"]), "by_layer_mass": f(rates["by_layer_mass"])},
         "greedy": {"chosen": listing(greedy_sol), "predicted_size": size(greedy_sol.picks), "score": float(greedy_sol.score)},
     }
+    if hub:
+        report["hub_bytes_read"] = {sid: snap.reader.bytes_read for sid, snap in hub.items()}
+        notes.append("read from the hub by ranges (GGUF headers only): " + ", ".join(
+            f"{sid} {snap.reader.bytes_read:,} bytes" for sid, snap in hub.items()))
     if doc is not None:
         report["predicted_dkl"] = round(sum(choice.predicted[(o.unit, o.donor)] for o in best.picks), 9)
         report["unit"] = choice.kind
