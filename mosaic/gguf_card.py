@@ -100,6 +100,12 @@ def render_block(doc: dict) -> str:
     for sid, s in srcs.items():
         total = sum(f["size"] for f in s["files"])
         lines.append(f"- `{sid}`: {_label(s)}; {len(s['files'])} file(s) used, {total:,} bytes (digests in PROVENANCE.json)")
+        partial = [f["name"] for f in s["files"] if f.get("sha256_verified") is False]
+        if partial:
+            lines.append(
+                f"  - read from the hub by byte ranges: {', '.join(f'`{n}`' for n in partial)} only in part, so their "
+                "whole-file SHA-256 is the hub's claim, not checked by the build; every tensor taken from them has its "
+                "own SHA-256 of the bytes read (with the sources fetched, `mosaic audit . --sources` compares them again)")
     lines += ["", "## Verify", "", "```bash",
               "sha256sum -c sha256-manifest.txt      # every file, byte for byte",
               "mosaic audit .                         # GGUF structure, metadata, provenance, per-tensor digests",

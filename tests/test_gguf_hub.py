@@ -152,3 +152,68 @@ def test_plan_of_gguf_hub_sources_reads_headers_only_and_equals_the_local_plan(h
                                                  "--scores", str(scores), "--layers", "2", "--unit", "layer", "--json"]).stdout)
     assert (remote["chosen"], remote["predicted_size"]) == (local["chosen"], local["predicted_size"])
     assert read_gguf(src / "tiny-Q4_0.gguf").data_start < served["tiny-Q4_0.gguf"]
+
+
+# --- build --stream: only the ranges the mosaic holds ---------------------------------------------------------
+
+
+def _stream_recipe(tmp_path: Path, sha: str) -> Path:
+    r = tmp_path / "stream.yaml"
+    r.write_text(
+        "name: streamed-gguf\n"
+        f"base:\n  repo: {REPO}\n  revision: {sha}\n  file: tiny-Q4_0.gguf\n"
+        f"donors:\n  q8:\n    repo: {REPO}\n    revision: {sha}\n    file: Q8_0\n"
+        "replace:\n  - from: q8\n    layers: [1, 2]\n    modules: [attn]\n  - from: q8\n    keys: [output.weight]\n"
+    )
+    return r
+
+
+def test_streamed_build_reads_only_what_it_takes_and_equals_a_build_from_fetched_files(
+    hub: FakeHub, gguf_repo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    import mosaic.hub.partial as partial
+    from mosaic.checkpoint.gguf_model import open_gguf_model
+
+    monkeypatch.setattr(partial, "GGUF_FIRST_READ", 4096)  # these headers are small: read them, not the files
+    monkeypatch.setenv("MOSAIC_NO_DIGEST_CACHE", "1")
+    recipe = _stream_recipe(tmp_path, gguf_repo)
+    res = build(recipe, out=tmp_path / "s", stream=True)
+    served = _served(hub, REPO)
+    src = tmp_path / "repo"
+    base = open_gguf_model(src / "tiny-Q4_0.gguf")
+    donor = open_gguf_model(src / "Q8_0")
+    tensors = res.provenance["tensors"]
+    for model, sid, prefix in ((base, "base", ""), (donor, "q8", "Q8_0/")):
+        taken = {t["name"] for t in tensors if t["source"] == sid}
+        for f in model.files:
+            header = model.headers[f].data_start
+            own = sum(t.nbytes + model.alignment for t in model.tensors if t.file == f and t.name in taken)
+            assert served.get(prefix + f, 0) <= header * 1.5 + 8192 + own, f  # headers + what it takes
+    assert served["tiny-Q4_0.gguf"] < (src / "tiny-Q4_0.gguf").stat().st_size  # not the whole base
+    assert "tiny-Q5_0.gguf" not in served
+    # the same bytes as a build from fetched files; PROVENANCE differs only in what could not be checked
+    r = CliRunner().invoke(main, ["fetch", str(recipe)])
+    assert r.exit_code == 0, r.output
+    fetched = build(recipe, out=tmp_path / "f")
+    parts = sorted(p.name for p in (tmp_path / "f").glob("*.gguf"))
+    assert parts and all((tmp_path / "s" / n).read_bytes() == (tmp_path / "f" / n).read_bytes() for n in parts)
+    assert res.provenance["tensors"] == fetched.provenance["tensors"]
+    partial_files = {(sid, f["name"]) for sid, s in res.provenance["sources"].items() for f in s["files"]
+                     if f.get("sha256_verified") is False}
+    assert ("base", "tiny-Q4_0.gguf") in partial_files
+    for sid, s in fetched.provenance["sources"].items():
+        assert [{k: v for k, v in f.items()} for f in s["files"]] == \
+            [{k: v for k, v in f.items() if k != "sha256_verified"} for f in res.provenance["sources"][sid]["files"]]
+    card = (res.out_dir / "README.md").read_text()
+    assert "read from the hub by byte ranges: `tiny-Q4_0.gguf`" in card
+    assert audit(res.out_dir).ok and audit(res.out_dir, sources=recipe).ok
+
+
+def test_a_streamed_gguf_build_resumes_a_dropped_connection(hub: FakeHub, gguf_repo: str, tmp_path: Path,  # noqa: F811
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import mosaic.hub.partial as partial
+
+    monkeypatch.setattr(partial, "GGUF_FIRST_READ", 4096)
+    hub.drop[(REPO, "tiny-Q4_0.gguf")] = 2
+    res = build(_stream_recipe(tmp_path, gguf_repo), out=tmp_path / "s", stream=True)
+    assert hub.drop[(REPO, "tiny-Q4_0.gguf")] == 0 and audit(res.out_dir).ok

@@ -492,10 +492,12 @@ def test_sign_and_verify_a_gguf_mosaic(built: Path, tmp_path: Path) -> None:
     assert ("signature", "tiny-mosaic.gguf") in failed
 
 
-def test_stream_is_for_exl3_hub_sources(tmp_path: Path, models: Path) -> None:
-    with pytest.raises(RecipeError, match="--stream reads EXL3 hub sources"):
-        build(recipe(tmp_path, models, BASIC), out=tmp_path / "o", stream=True)
-    assert not (tmp_path / "o").exists()
+def test_stream_with_local_sources_builds_as_without(tmp_path: Path, models: Path) -> None:
+    """--stream changes only how uncached hub sources are read: local sources build the same bytes."""
+    plain = build(recipe(tmp_path, models, BASIC), out=tmp_path / "o")
+    streamed = build(recipe(tmp_path, models, BASIC), out=tmp_path / "s", stream=True)
+    assert (plain.out_dir / "tiny-mosaic.gguf").read_bytes() == (streamed.out_dir / "tiny-mosaic.gguf").read_bytes()
+    assert streamed.provenance == plain.provenance
 
 
 @pytest.mark.parametrize(("fault", "rc", "says"), [("copy:2:enospc", 2, "mosaic: error: No space left on device"),

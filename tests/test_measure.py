@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
@@ -270,7 +271,7 @@ class FakeExl3Scorer:
     """A stand-in for exllamav3 on a GPU behind the same interface: a candidate's KL falls by a fixed amount
     per layer and donor, so the plan's choice is known; every row moves alike."""
 
-    runtime = {"name": "fake-exllamav3", "version": "0", "threads": 1}
+    runtime: ClassVar[dict] = {"name": "fake-exllamav3", "version": "0", "threads": 1}
 
     def __init__(self, base, donors, units, todo, ref, rows, work, progress=None) -> None:  # type: ignore[no-untyped-def]
         self.units, self.rows = units, len(ref.row_tokens)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
@@ -55,10 +55,15 @@ class GGUFWriteResult:
     files: dict[str, FileRecord]
     tensors: dict[str, str]
     checks: list[dict[str, object]]
+    #: per streamed source, its files read only in part (their whole-file digest is the hub's claim)
+    unverified: dict[str, set[str]] = field(default_factory=dict)
 
 
-def _digest_sources(plan: GGUFPlan, jobs: int, progress: Reporter) -> tuple[dict[str, dict[str, FileRecord]], dict[str, str]]:
-    """Step 1: every used source file's digest, and the digest of each tensor the mosaic takes from it."""
+def _digest_sources(plan: GGUFPlan, jobs: int, progress: Reporter,
+                    streamed: dict | None = None) -> tuple[dict[str, dict[str, FileRecord]], dict[str, str]]:
+    """Step 1: every used source file's digest, and the digest of each tensor the mosaic takes from it.
+    A file of a streamed source holds only the ranges read: its digest is the one its partial snapshot
+    checked (read whole) or the hub's claim, and only the tensors taken from it are hashed."""
     need: dict[tuple[str, str], list] = {}
     for sid, files in plan.used_files().items():
         for f in files:
@@ -72,6 +77,13 @@ def _digest_sources(plan: GGUFPlan, jobs: int, progress: Reporter) -> tuple[dict
                 e = cached[k]
                 have = e.tensors if e is not None and e.sha256 == verified[k[1]] else {}
                 cached[k] = digest_cache.Entry(verified[k[1]], plan.models[sid].headers[k[1]].file_size, have)
+    partial: set[tuple[str, str]] = set()
+    for sid, snap in (streamed or {}).items():
+        claimed = snap.claimed_digests()
+        for k in need:
+            if k[0] == sid:
+                cached[k] = digest_cache.Entry(claimed.get(k[1], ""), plan.models[sid].headers[k[1]].file_size, {})
+                partial.add(k)
 
     def missing(k: tuple[str, str]) -> list:
         e = cached[k]
@@ -91,7 +103,7 @@ def _digest_sources(plan: GGUFPlan, jobs: int, progress: Reporter) -> tuple[dict
         if entry is not None and entry.size == m.headers[f].file_size:
             todo = missing(k)
             fresh = dict(zip((t.name for t in todo), digest_ranges(path, [(t.src.start, t.src.end) for t in todo], on_bytes=advance)))
-            if fresh:
+            if fresh and k not in partial:
                 digest_cache.store(path, entry.sha256, fresh, identity_before=before)
             return k, FileRecord(f, entry.size, entry.sha256), {t.name: fresh.get(t.name) or entry.tensors[t.name] for t in ts}
         d = digest_file(path, [(t.src.start, t.src.end) for t in ts], on_bytes=advance)
@@ -108,6 +120,26 @@ def _digest_sources(plan: GGUFPlan, jobs: int, progress: Reporter) -> tuple[dict
         records[sid][f] = rec
         tensors.update(digests)
     return records, tensors
+
+
+def gguf_wanted_ranges(plan: GGUFPlan, sid: str) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges of each file of source ``sid`` the output is made of: its header and the tensors it
+    gives, runs split only by the alignment padding between them merged into one."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    m = plan.models[sid]
+    for t in sorted((t for t in plan.tensors if t.source == sid), key=lambda t: (t.src.file, t.src.start)):
+        ranges = out.setdefault(t.src.file, [(0, m.headers[t.src.file].data_start)])
+        a, b = t.src.start, t.src.end
+        if a - ranges[-1][1] < m.alignment:
+            ranges[-1] = (ranges[-1][0], max(b, ranges[-1][1]))
+        else:
+            ranges.append((a, b))
+    return out
+
+
+def read_gguf_ranges(plan: GGUFPlan, streamed: dict, *, jobs: int = 8, progress: Reporter = SILENT) -> dict[str, int]:
+    """``--stream``: make every range the plan reads from a hub source present locally; bytes read per source."""
+    return {sid: snap.ensure(gguf_wanted_ranges(plan, sid), jobs=jobs, progress=progress) for sid, snap in streamed.items()}
 
 
 def _verified(plan: GGUFPlan) -> dict[str, dict[str, str]]:
@@ -194,7 +226,8 @@ def gguf_provenance(plan: GGUFPlan, res: GGUFWriteResult) -> dict:
         recs = res.sources.get(sid, {})
         m = plan.models[sid]
         sources[sid] = {**spec.as_record(), "rate": _rate(rates["base"] if sid == "base" else rates["donors"][sid]),  # type: ignore[index]
-                        "files": [recs[f].as_dict() for f in m.files if f in recs]}
+                        "files": [{**recs[f].as_dict(), **({"sha256_verified": False} if f in res.unverified.get(sid, ()) else {})}
+                                  for f in m.files if f in recs]}
     base = plan.models["base"]
     return {
         "schema": SCHEMA_ID,
@@ -236,16 +269,17 @@ def gguf_provenance(plan: GGUFPlan, res: GGUFWriteResult) -> dict:
 
 
 def write_gguf(plan: GGUFPlan, tmp: Path, *, jobs: int = 1, progress: Reporter = SILENT,
-               durable: Flusher | None = None) -> tuple[GGUFWriteResult, dict]:
+               durable: Flusher | None = None, streamed: dict | None = None) -> tuple[GGUFWriteResult, dict]:
     """Steps 1-3 into the new, empty folder ``tmp``, then the recipe, card, PROVENANCE.json and manifest,
     every file handed to ``durable`` to be fsynced (the caller waits for it before the rename; without
     one, this waits before returning)."""
     with durable_files(durable) as flusher:
-        return _write_gguf(plan, tmp, jobs, progress, flusher)
+        return _write_gguf(plan, tmp, jobs, progress, flusher, streamed or {})
 
 
-def _write_gguf(plan: GGUFPlan, tmp: Path, jobs: int, progress: Reporter, durable: Flusher) -> tuple[GGUFWriteResult, dict]:
-    sources, source_tensors = _digest_sources(plan, jobs, progress)
+def _write_gguf(plan: GGUFPlan, tmp: Path, jobs: int, progress: Reporter, durable: Flusher,
+                streamed: dict) -> tuple[GGUFWriteResult, dict]:
+    sources, source_tensors = _digest_sources(plan, jobs, progress, streamed)
     adv_write = progress.step("writing", plan.size)
     adv_verify = progress.step("verifying", plan.size)
     methods: dict[str, str] = {}
@@ -284,7 +318,8 @@ def _write_gguf(plan: GGUFPlan, tmp: Path, jobs: int, progress: Reporter, durabl
         {"name": "same_model", "ok": True,
          "detail": "donors match the base: architecture, graph and tokenizer metadata, tensor names and shapes"},
     ]
-    res = GGUFWriteResult(methods, sources, source_tensors, files, tensors, checks)
+    res = GGUFWriteResult(methods, sources, source_tensors, files, tensors, checks,
+                          {sid: set(snap.unverified()) for sid, snap in streamed.items()})
     recipe_bytes = plan.recipe.raw
     durable.write(tmp / RECIPE_NAME, (recipe_bytes,))
     res.files[RECIPE_NAME] = FileRecord(RECIPE_NAME, len(recipe_bytes), sha256_bytes(recipe_bytes))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mosaic.build.gguf_plan import GGUFPlan, plan_gguf
-from mosaic.build.gguf_write import GGUFWriteResult, write_gguf
+from mosaic.build.gguf_write import GGUFWriteResult, read_gguf_ranges, write_gguf
 from mosaic.build.layout import BuildPlan, make_plan
 from mosaic.build.provenance import build_provenance, write_checked
 from mosaic.build.selection import donor_modules, pick, select
@@ -228,10 +228,11 @@ def build(
 
     # A recipe whose base is a GGUF model builds a GGUF mosaic (mosaic.build.gguf_plan / gguf_write).
     gguf = is_gguf_recipe(recipe)
-    if gguf and stream:
-        raise RecipeError(f"{recipe.file}: --stream reads EXL3 hub sources by ranges; fetch GGUF sources with `mosaic fetch`")
     streamed: dict[str, PartialSnapshot] = {}
-    plan = plan_gguf(recipe) if gguf else plan_build(recipe, streamed=streamed, stream=stream, jobs=max(jobs, 8), progress=progress)
+    if gguf:
+        plan = plan_gguf(recipe, ranges=streamed if stream else None)
+    else:
+        plan = plan_build(recipe, streamed=streamed, stream=stream, jobs=max(jobs, 8), progress=progress)
     fault_point("plan")
     if not gguf:
         # The layout is the last reader of the parsed quantization_config.json documents (its output
@@ -253,7 +254,9 @@ def build(
     try:
         with _sigterm_as_interrupt():
             if gguf:
-                res, doc = write_gguf(plan, tmp, jobs=jobs, progress=progress, durable=durable)
+                if streamed:
+                    read_gguf_ranges(plan, streamed, jobs=max(jobs, 8), progress=progress)
+                res, doc = write_gguf(plan, tmp, jobs=jobs, progress=progress, durable=durable, streamed=streamed)
             else:
                 if streamed:
                     read_plan_ranges(plan, streamed, jobs=max(jobs, 8), progress=progress)

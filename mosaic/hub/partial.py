@@ -304,7 +304,7 @@ class PartialSnapshot:
             except GGUFError as e:
                 if e.rule != "truncated" or e.need is None or want >= size:
                     raise
-                want = min(size, max(e.need + (256 << 10), want + want // 2))
+                want = min(size, max(e.need + 4096, want + want // 2))
 
     def prepare(self, names: Iterable[str]) -> None:
         """Full-size sparse files for ``names`` (nothing read), so the folder lists them as a snapshot would."""
