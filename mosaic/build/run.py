@@ -29,7 +29,7 @@ from mosaic.build.stream import check_markers, read_plan_ranges
 from mosaic.card import render_card
 from mosaic.checkpoint.census import Analysis, analyze
 from mosaic.checkpoint.folder import bulk, open_checkpoint
-from mosaic.errors import OutputError, RecipeError, SourceError
+from mosaic.errors import OutputError, SourceError
 from mosaic.faults import point as fault_point
 from mosaic.gguf_sources import is_gguf_recipe
 from mosaic.hashing import sha256_bytes
