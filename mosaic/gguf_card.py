@@ -138,4 +138,28 @@ def render_gguf_card(doc: dict) -> bytes:
         "",
         "",
     ]
-    return (front_matter(doc) + "\n".join(head) + render_block(doc)).encode("utf-8")
+    rebuild = "\n".join([
+        "",
+        "## Rebuild it instead of downloading it",
+        "",
+        "Every tensor of this mosaic is a byte range of one of its sources, and PROVENANCE.json names each one's source "
+        "and SHA-256. mosaic rebuilds the `.gguf` files byte for byte from the sources — files you already have, the "
+        "local Hugging Face cache, or only the byte ranges the mosaic holds, read from the hub — checking every tensor "
+        "against PROVENANCE.json and every file against the manifest:",
+        "",
+        "```bash",
+        "mosaic rebuild <this repo>@<commit>              # add --source ID=PATH for each source you have locally",
+        "```",
+        "",
+    ])
+    return (front_matter(doc) + "\n".join(head) + render_block(doc) + rebuild).encode("utf-8")
+
+
+def generated_block(card: bytes) -> str | None:
+    """The part of a card ``mosaic audit`` checks: between the mosaic markers (the rest is prose)."""
+    text = card.decode("utf-8", "replace")
+    a = text.find(BEGIN)
+    b = text.find(END, a)
+    if a < 0 or b < 0:
+        return None
+    return text[a : b + len(END)] + "\n"

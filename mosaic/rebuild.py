@@ -1,4 +1,4 @@
-"""``mosaic rebuild ORG/NAME@REV``: a published mosaic rebuilt from its sources, byte for byte.
+"""``mosaic rebuild ORG/NAME@REV``: a published mosaic (EXL3 or GGUF) rebuilt from its sources, byte for byte.
 
 A mosaic is, by construction and by its own PROVENANCE.json, nothing but byte ranges of its sources.
 So a user need not download its shards: ``rebuild`` reads only the published repository's small files
@@ -9,7 +9,9 @@ every file against the published manifest. The published small files are copied 
 not regenerated: a newer mosaic would write other bytes), which is what makes the folder identical.
 
 Any mismatch names the tensor or file and its source, keeps nothing (the work happens in a hidden
-sibling of the output, renamed only at the end) and exits 1.
+sibling of the output, renamed only at the end) and exits 1. A GGUF mosaic's parts are written with the
+published mosaic's own ``mosaic.*`` keys (its version included), so that a newer mosaic rebuilds an older
+release byte for byte.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def parse_source_override(text: str) -> tuple[str, Path]:
 
 def _with_sources(recipe: Recipe, overrides: dict[str, Path]) -> Recipe:
     """The recipe with some sources read from local folders instead (the published files keep the
-    recipe as written; only where the bytes are read from changes)."""
+    recipe as written; only where the bytes are read from changes). For a GGUF source, a folder keeps
+    the recipe's ``file`` (a name or glob inside it); a ``.gguf`` file is taken as it is."""
     unknown = sorted(set(overrides) - set(recipe.sources))
     if unknown:
         raise SourceError(f"--source {unknown[0]}: the recipe has no such source (it has {', '.join(recipe.sources)})")
@@ -81,7 +84,11 @@ def _with_sources(recipe: Recipe, overrides: dict[str, Path]) -> Recipe:
             )
 
     def swap(sid: str, spec: SourceSpec) -> SourceSpec:
-        return SourceSpec(sid, path=str(overrides[sid])) if sid in overrides else spec
+        if sid not in overrides:
+            return spec
+        p = overrides[sid]
+        keep = spec.file if spec.file is not None and not p.name.endswith(".gguf") else None
+        return SourceSpec(sid, path=str(p), file=keep)
 
     return dataclasses.replace(
         recipe, base=swap("base", recipe.base), donors={d: swap(d, s) for d, s in recipe.donors.items()}
@@ -105,10 +112,8 @@ def rebuild(
         raise OutputError(f"{out_dir}: already exists; choose another --out or remove it")
 
     published = PartialSnapshot(repo, revision)
-    if any(n.endswith(".gguf") for n in published.listing):
-        raise SourceError(f"{repo}@{revision}: a GGUF mosaic; mosaic rebuild rebuilds EXL3 mosaics only (nothing was downloaded)")
     small = sorted(n for n in published.listing
-                   if not n.endswith(SHARD_SUFFIX) and not any(p.startswith(".") for p in n.split("/")))
+                   if not n.endswith((SHARD_SUFFIX, ".gguf")) and not any(p.startswith(".") for p in n.split("/")))
     for need in (RECIPE_NAME, PROVENANCE_NAME, MANIFEST_NAME):
         if need not in small:
             raise SourceError(f"{repo}@{revision}: no {need}; not a mosaic published by mosaic")
@@ -123,13 +128,23 @@ def rebuild(
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise VerificationError(f"{repo}@{revision}: {MANIFEST_NAME} or {PROVENANCE_NAME} unreadable: {e}") from None
     recipe = _with_sources(parse_recipe((folder / RECIPE_NAME).read_bytes(), folder / RECIPE_NAME), sources or {})
+    gguf = isinstance(prov, dict) and prov.get("format") == "gguf"
+    keys = None
+    if gguf:
+        keys = (prov.get("gguf") or {}).get("mosaic_keys")  # type: ignore[union-attr]
+        if not isinstance(keys, dict) or not keys:
+            raise VerificationError(f"{repo}@{revision}: {PROVENANCE_NAME} records no mosaic.* keys of its GGUF parts")
 
     # named like a build's temporary folder, so a later build or rebuild removes it if this process dies
     work = out_dir.parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-{os.urandom(4).hex()}"
     clean_stale_partials(out_dir)
     try:
-        res = build(recipe, out=work, jobs=jobs, stream=True, progress=progress)
-        _check_tensors(res.provenance, want_tensors, repo, revision)
+        res = build(recipe, out=work, jobs=jobs, stream=True, progress=progress, gguf_keys=keys)
+        try:
+            _check_tensors(res.provenance, want_tensors, repo, revision)
+        except _TensorMismatch as e:
+            _discard_partial(recipe, e.source)  # the range cache never keeps a byte that failed a check
+            raise
         # the published small files, verbatim; then every file against the published manifest
         for name in small:
             dst = work / name
@@ -139,7 +154,7 @@ def rebuild(
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.unlink(missing_ok=True)
             shutil.copyfile(folder / name, dst)
-        digests = {n: r.sha256 for n, r in res.splice.files.items() if n.endswith(SHARD_SUFFIX)}
+        digests = {n: r.sha256 for n, r in res.splice.files.items() if n.endswith((SHARD_SUFFIX, ".gguf"))}
         _check_files(work, listed, digests, repo, revision)
         os.rename(work, out_dir)
     except BaseException:
@@ -150,6 +165,23 @@ def rebuild(
     return RebuildResult(out_dir, repo, revision, len(listed) + 1, len(want_tensors), hub, local)
 
 
+class _TensorMismatch(VerificationError):
+    def __init__(self, message: str, source: object) -> None:
+        super().__init__(message)
+        self.source = source
+
+
+def _discard_partial(recipe: Recipe, source: object) -> None:
+    """Forget what was read in part of a hub source whose bytes failed a check (read again next time)."""
+    spec = recipe.sources.get(source) if isinstance(source, str) else None
+    if spec is None or spec.repo is None or spec.revision is None:
+        return
+    snap = PartialSnapshot(spec.repo, spec.revision)
+    if snap.root.exists():
+        for name in snap.unverified():
+            snap.discard(name)
+
+
 def _check_tensors(built: dict, want: dict[str, dict], repo: str, revision: str) -> None:
     got = {t["name"]: t for t in built["tensors"]}
     for name, w in want.items():
@@ -158,9 +190,9 @@ def _check_tensors(built: dict, want: dict[str, dict], repo: str, revision: str)
             raise VerificationError(f"{repo}@{revision}: tensor {name!r}: in PROVENANCE.json, not in the rebuilt mosaic")
         for key in ("file", "dtype", "shape", "nbytes", "sha256", "source"):
             if g.get(key) != w.get(key):
-                raise VerificationError(
+                raise _TensorMismatch(
                     f"{repo}@{revision}: tensor {name!r} from source {w.get('source')!r}: {key} {g.get(key)!r} rebuilt, "
-                    f"{w.get(key)!r} published"
+                    f"{w.get(key)!r} published", w.get("source")
                 )
     extra = sorted(set(got) - set(want))
     if extra:

@@ -5,6 +5,7 @@ The hub is tests/fakehub.py on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,101 @@ def test_a_streamed_gguf_build_resumes_a_dropped_connection(hub: FakeHub, gguf_r
     hub.drop[(REPO, "tiny-Q4_0.gguf")] = 2
     res = build(_stream_recipe(tmp_path, gguf_repo), out=tmp_path / "s", stream=True)
     assert hub.drop[(REPO, "tiny-Q4_0.gguf")] == 0 and audit(res.out_dir).ok
+
+
+# --- rebuild and publish --recipe-only of a GGUF mosaic ---------------------------------------------------------
+
+
+def _same_folder(a: Path, b: Path) -> None:
+    names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+
+
+@pytest.fixture
+def published_gguf_mosaic(hub: FakeHub, gguf_repo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str]:  # noqa: F811
+    """A GGUF mosaic of the hub's quantizations built by an older mosaic (version 0.0.9), published whole."""
+    import mosaic
+    import mosaic.build.gguf_plan as gp
+    import mosaic.build.gguf_write as gw
+    from mosaic.publish import publish
+
+    monkeypatch.setattr(gp, "__version__", "0.0.9")
+    monkeypatch.setattr(gw, "__version__", "0.0.9")
+    res = build(_stream_recipe(tmp_path, gguf_repo), out=tmp_path / "built", stream=True)
+    monkeypatch.setattr(gp, "__version__", mosaic.__version__)
+    monkeypatch.setattr(gw, "__version__", mosaic.__version__)
+    assert res.provenance["gguf"]["mosaic_keys"]["mosaic.version"] == "0.0.9"
+    pub = publish(res.out_dir, "test-org/gguf-mosaic")
+    return res.out_dir, pub.commit
+
+
+def test_rebuild_of_a_gguf_mosaic_is_byte_identical_and_reads_no_published_gguf(
+    hub: FakeHub, published_gguf_mosaic: tuple[Path, str], tmp_path: Path  # noqa: F811
+) -> None:
+    out, commit = published_gguf_mosaic
+    hub.served.clear()
+    r = CliRunner().invoke(main, ["rebuild", f"test-org/gguf-mosaic@{commit}", "--out", str(tmp_path / "r"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert not [p for (repo, p) in hub.served if repo == "test-org/gguf-mosaic" and p.endswith(".gguf")]
+    _same_folder(out, tmp_path / "r")  # written with the published mosaic's own keys (an older version's)
+    assert audit(tmp_path / "r").ok
+
+
+def test_publish_recipe_only_of_a_gguf_mosaic_then_rebuild(hub: FakeHub, published_gguf_mosaic: tuple[Path, str],  # noqa: F811
+                                                           tmp_path: Path) -> None:
+    from mosaic.publish import publish
+
+    out, _ = published_gguf_mosaic
+    res = publish(out, "test-org/gguf-recipe-only", recipe_only=True)
+    files = hub.repos["test-org/gguf-recipe-only"].commits[res.commit]
+    assert not [n for n in files if n.endswith(".gguf")]
+    assert "mosaic rebuild" in files["README.md"].decode()
+    r = CliRunner().invoke(main, ["rebuild", f"test-org/gguf-recipe-only@{res.commit}", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 0, r.output
+    _same_folder(out, tmp_path / "r")
+
+
+def test_rebuild_of_a_gguf_mosaic_from_local_sources(hub: FakeHub, published_gguf_mosaic: tuple[Path, str],  # noqa: F811
+                                                     tmp_path: Path) -> None:
+    out, commit = published_gguf_mosaic
+    src = tmp_path / "repo"
+    hub.served.clear()
+    r = CliRunner().invoke(main, ["rebuild", f"test-org/gguf-mosaic@{commit}", "--source", f"base={src / 'tiny-Q4_0.gguf'}",
+                                  "--source", f"q8={src}", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 0, r.output
+    assert not [p for (repo, p) in hub.served if repo == REPO]  # a .gguf as it is, a folder with the recipe's file
+    gguf_parts = sorted(p.name for p in out.glob("*.gguf"))
+    assert all((out / n).read_bytes() == (tmp_path / "r" / n).read_bytes() for n in gguf_parts)
+
+
+def test_rebuild_catches_a_corrupted_gguf_range_names_the_tensor_and_keeps_nothing(
+    hub: FakeHub, published_gguf_mosaic: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    """A range read in part cannot be checked against the hub's file digest: the rebuild's check of every
+    tensor against the published PROVENANCE.json catches it (a file read whole is caught by its digest)."""
+    import mosaic.hub.partial as partial
+    from mosaic.checkpoint.gguf_model import open_gguf_model
+    from mosaic.hub.partial import ranges_root
+
+    monkeypatch.setattr(partial, "GGUF_FIRST_READ", 4096)  # the base's header only, then its ranges
+
+    out, commit = published_gguf_mosaic
+    shutil.rmtree(ranges_root() / "test-org" / "tiny-GGUF")  # the range cache of the first build
+    prov = json.loads((out / "PROVENANCE.json").read_text())
+    victim = next(t["name"] for t in prov["tensors"] if t["source"] == "base" and t["name"].startswith("blk.3."))
+    src = tmp_path / "repo" / "tiny-Q4_0.gguf"
+    t = open_gguf_model(src).by_name()[victim]
+    data = bytearray(src.read_bytes())
+    data[t.start + 5] ^= 0xFF
+    hub.corrupt[(REPO, "tiny-Q4_0.gguf")] = bytes(data)
+    r = CliRunner().invoke(main, ["rebuild", f"test-org/gguf-mosaic@{commit}", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 1, r.output
+    assert victim in r.stderr and "'base'" in r.stderr
+    assert not (tmp_path / "r").exists() and not [p for p in tmp_path.iterdir() if "mosaic-partial" in p.name]
+    # nothing of the failed read is kept: with the hub mended, the rebuild reads it again and is identical
+    del hub.corrupt[(REPO, "tiny-Q4_0.gguf")]
+    r = CliRunner().invoke(main, ["rebuild", f"test-org/gguf-mosaic@{commit}", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 0, r.output
+    _same_folder(out, tmp_path / "r")

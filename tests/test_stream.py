@@ -385,10 +385,3 @@ def test_rebuild_refuses_a_published_file_its_sources_do_not_give(hub: FakeHub, 
     r = CliRunner().invoke(main, ["rebuild", f"test-org/forged@{forged}", "--out", str(tmp_path / "r")])
     assert r.exit_code == 1 and "config.json: the published file differs" in r.stderr
     assert not (tmp_path / "r").exists() and not [p for p in tmp_path.iterdir() if "mosaic-partial" in p.name]
-
-
-def test_rebuild_refuses_a_gguf_mosaic_before_downloading_anything(hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
-    sha = hub.commit("test-org/gguf-mosaic", {"m.gguf": b"GGUF" + bytes(1000), "mosaic-recipe.yaml": b"name: m\n"})
-    r = CliRunner().invoke(main, ["rebuild", f"test-org/gguf-mosaic@{sha}", "--out", str(tmp_path / "r")])
-    assert r.exit_code == 2 and "GGUF mosaic" in r.stderr
-    assert sum(hub.served.values()) == 0

@@ -21,7 +21,7 @@ from mosaic.checkpoint.folder import load_json
 from mosaic.checkpoint.gguf_model import SPLIT_KEYS, GGUFModel, parse_name, split_name
 from mosaic.errors import MosaicError, RecipeError
 from mosaic.formats.gguf_container import GGUFError, GGUFFile, TensorInfo, read_gguf, type_name
-from mosaic.gguf_card import render_gguf_card
+from mosaic.gguf_card import generated_block, render_gguf_card
 from mosaic.gguf_select import SelectionProblem, assign
 from mosaic.gguf_sources import open_gguf_source
 from mosaic.hashing import digest_file, parallel_map
@@ -207,8 +207,12 @@ def audit_gguf_mosaic(
     rep.ran.append("card")
     if CARD_NAME not in fileset:
         rep.fail("card", "missing", file=CARD_NAME)
-    elif (root / CARD_NAME).read_bytes() != render_gguf_card(doc):
-        rep.fail("card", "README.md differs from the card PROVENANCE.json renders", file=CARD_NAME)
+    else:
+        block = generated_block((root / CARD_NAME).read_bytes())
+        if block is None:
+            rep.fail("card", "no generated block (mosaic markers) in the model card", file=CARD_NAME)
+        elif block != generated_block(render_gguf_card(doc)):
+            rep.fail("card", "the card's generated block does not match PROVENANCE.json", file=CARD_NAME)
 
     if sources:
         rep.ran.append("sources")

@@ -198,10 +198,11 @@ def _parts(tensors: list[tuple[str, tuple[int, ...], int, int]], max_size: int |
     return parts
 
 
-def plan_gguf(recipe: Recipe, *, ranges: dict | None = None) -> GGUFPlan:
+def plan_gguf(recipe: Recipe, *, ranges: dict | None = None, keys: dict[str, object] | None = None) -> GGUFPlan:
     """Open the sources, run the preflight, select and lay out every output file. With ``ranges`` (a dict
     of partial snapshots by source id), hub sources missing from the cache are opened from their headers
-    read by HTTP ranges, and their snapshots put there."""
+    read by HTTP ranges, and their snapshots put there. ``keys``: the ``mosaic.*`` keys to write instead of
+    this version's (a rebuild writes the published mosaic's own, so that its bytes are the published ones)."""
     used = {r.donor for r in recipe.rules}
     unused = [d for d in recipe.donors if d not in used]
     if unused:
@@ -221,7 +222,8 @@ def plan_gguf(recipe: Recipe, *, ranges: dict | None = None) -> GGUFPlan:
     sources = [assignment[n][0] if n in assignment else "base" for n in names]
     alignment = base.alignment
     kvs = [kv for kv in base.metadata.values() if not kv.key.startswith("mosaic.")]
-    kvs += mosaic_keys(recipe, len(assignment))
+    kvs += mosaic_keys(recipe, len(assignment)) if keys is None else [
+        KV(k, STRING, v) if isinstance(v, str) else KV(k, UINT32, v) for k, v in keys.items()]
     specs = [(t.name, t.ne, t.type_id, t.nbytes) for t in picked]
     parts = _parts(specs, recipe.split_max_size, alignment)
     count = len(parts)

@@ -206,8 +206,10 @@ def build(
     link: bool = False,
     stream: bool = False,
     progress: Reporter = SILENT,
+    gguf_keys: dict[str, object] | None = None,
 ) -> BuildResult:
-    """Build the mosaic a recipe (a file, or one already parsed) describes.
+    """Build the mosaic a recipe (a file, or one already parsed) describes. ``gguf_keys``: a GGUF mosaic's
+    ``mosaic.*`` keys to write instead of this version's (``mosaic rebuild`` of a published one).
 
     Raises MosaicError (exit 2) or VerificationError (exit 1)."""
     recipe = recipe_path if isinstance(recipe_path, Recipe) else load_recipe(recipe_path)
@@ -230,7 +232,7 @@ def build(
     gguf = is_gguf_recipe(recipe)
     streamed: dict[str, PartialSnapshot] = {}
     if gguf:
-        plan = plan_gguf(recipe, ranges=streamed if stream else None)
+        plan = plan_gguf(recipe, ranges=streamed if stream else None, keys=gguf_keys)
     else:
         plan = plan_build(recipe, streamed=streamed, stream=stream, jobs=max(jobs, 8), progress=progress)
     fault_point("plan")
