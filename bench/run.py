@@ -303,6 +303,12 @@ def case_memory(small_gb: float, large_gb: float) -> None:
     drop(out)
 
 
+def hub_env(endpoint: str, home: Path) -> dict[str, str]:
+    """The environment of a mosaic process talking to the local hub look-alike, with a cache of its own."""
+    return {**COLD, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+            "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "hf_bench", "NO_PROXY": "127.0.0.1,localhost"}
+
+
 def case_stream(runs: int, size_gb: float) -> None:
     """A streamed build (ranges of the donor's selected tensors, the base's bytes) against downloading
     both sources whole and building from the cache, through a local hub look-alike that counts bytes."""
@@ -323,8 +329,7 @@ def case_stream(runs: int, size_gb: float) -> None:
             f"donors:\n  q3:\n    repo: bench/donor\n    revision: {shas['bench/donor']}\n"
             "replace:\n  - from: q3\n    layers: [2, 5, 9]\n    modules: [mlp.experts]\n"
         )
-        env = {**COLD, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-               "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "hf_bench", "NO_PROXY": "127.0.0.1,localhost"}
+        env = hub_env(hub.endpoint, home)
         moved: dict[str, int] = {}
 
         def fresh() -> None:
@@ -589,8 +594,7 @@ def case_gguf_stream(runs: int, size_gb: float) -> None:
             f"donors:\n  q8:\n    repo: bench/gguf\n    revision: {sha}\n    file: Q8_0\n"
             "replace:\n  - from: q8\n    layers: [2, 5, 9, 13]\n    modules: [ffn_exps]\n"
         )
-        env = {**COLD, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-               "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "hf_bench", "NO_PROXY": "127.0.0.1,localhost"}
+        env = hub_env(hub.endpoint, home)
         moved: dict[str, int] = {}
 
         def fresh() -> None:

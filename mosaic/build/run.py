@@ -270,14 +270,14 @@ def build(
                                  durable=durable)
                     doc = _finish(plan, res, tmp, durable, unverified={sid: set(s.unverified()) for sid, s in streamed.items()})
             durable.wait()
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             fault_point("rename")
             if out_dir.exists():
                 old = parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-previous"
                 os.rename(out_dir, old)
                 fault_point("swap")
             os.rename(tmp, out_dir)
-            _fsync_dir(parent)
+            fsync_dir(parent)
     except BaseException:
         durable.abandon()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -291,7 +291,8 @@ def build(
     return BuildResult(out_dir, plan, doc, res, {sid: snap.reader.bytes_read for sid, snap in streamed.items()})
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries durable (after a rename into it); a folder that cannot be opened is left."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -109,7 +109,7 @@ class PartialSnapshot:
             except (OSError, ValueError, KeyError, TypeError):
                 self._listing = hub_listing(self.repo, self.revision)
                 self.root.mkdir(parents=True, exist_ok=True)
-                _atomic_write(path, json.dumps({n: f.as_json() for n, f in sorted(self._listing.items())}, indent=1).encode())
+                atomic_write(path, json.dumps({n: f.as_json() for n, f in sorted(self._listing.items())}, indent=1).encode())
         return self._listing
 
     def file(self, name: str) -> HubFile:
@@ -135,7 +135,7 @@ class PartialSnapshot:
     def _save(self, name: str, doc: dict) -> None:
         path = self._record_path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, json.dumps(doc, sort_keys=True).encode())
+        atomic_write(path, json.dumps(doc, sort_keys=True).encode())
 
     def pieces(self, name: str) -> list[Piece]:
         return [Piece(a, b, s) for a, b, s in self._record(name)["pieces"]]
@@ -320,7 +320,8 @@ class PartialSnapshot:
         return self.read_whole(wanted_small, jobs=jobs, progress=progress) + self.read_headers(shards, jobs=jobs, progress=progress)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a temporary sibling, fsynced, renamed over it)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from mosaic.build.run import fsync_dir
 from mosaic.errors import FormatError, MosaicError
 from mosaic.formats.safetensors_reader import strict_json_loads
 
@@ -50,7 +51,7 @@ class Journal:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         return j
 
     @classmethod
@@ -103,16 +104,3 @@ class Journal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -27,6 +27,7 @@ from mosaic.eval.run import DEFAULT_CTX, DEFAULT_TOP_K, EvalRequest, evaluate
 from mosaic.faults import point as fault_point
 from mosaic.gguf_sources import is_gguf_src
 from mosaic.hashing import digest_file
+from mosaic.hub.partial import atomic_write
 from mosaic.measure.backends import Scorer
 from mosaic.measure.journal import Journal, journal_path
 from mosaic.measure.parts import check_space
@@ -62,15 +63,6 @@ def _se(a: list[float], b: list[float]) -> float:
     """The paired standard error of the mean difference over rows (rows are the independent units)."""
     d = [x - y for x, y in zip(a, b)]
     return statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
@@ -216,7 +208,7 @@ def _run(req: MeasureRequest, journal: Journal, side: Side, rows: Rows, referenc
     errs = validation_errors(doc)
     if errs:
         raise VerificationError(f"the measurement does not match its schema: {errs[0]}")
-    _atomic_write(out, dumps(doc))
+    atomic_write(out, dumps(doc))
     journal.close()
     journal.path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
