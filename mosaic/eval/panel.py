@@ -21,9 +21,13 @@ import numpy as np
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    """In float64, with two temporaries the size of ``logits`` (it runs over the whole vocabulary at every
+    position: the panel's largest cost after the runtime's)."""
+    x = np.array(logits, dtype=np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    e = np.exp(x)
+    x -= np.log(e.sum(axis=-1, keepdims=True))
+    return x
 
 
 def kl_exact(teacher_lp: np.ndarray, cand_lp: np.ndarray) -> np.ndarray:

@@ -48,8 +48,8 @@ from mosaic.eval.rows import Rows, load_rows
 from mosaic.eval.runtime import RuntimeInfo, get_runtime
 from mosaic.progress import SILENT, Reporter
 
-#: float64 log-probabilities held at a time per model (positions × vocabulary): 32 MiB each.
-CHUNK_FLOATS = 1 << 22
+#: float64 log-probabilities held at a time per model (positions × vocabulary): 8 MiB each.
+CHUNK_FLOATS = 1 << 20
 DEFAULT_CTX = 512
 DEFAULT_TOP_K = 32
 
