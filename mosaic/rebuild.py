@@ -132,8 +132,11 @@ def rebuild(
     keys = None
     if gguf:
         keys = (prov.get("gguf") or {}).get("mosaic_keys")  # type: ignore[union-attr]
-        if not isinstance(keys, dict) or not keys:
-            raise VerificationError(f"{repo}@{revision}: {PROVENANCE_NAME} records no mosaic.* keys of its GGUF parts")
+        if not isinstance(keys, dict) or not keys or not all(
+                isinstance(k, str) and k.startswith("mosaic.") and (isinstance(v, str) or (
+                    isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 32)) for k, v in keys.items()):
+            raise VerificationError(f"{repo}@{revision}: {PROVENANCE_NAME}: gguf.mosaic_keys is not a set of mosaic.* keys "
+                                    "with string or u32 values")
 
     # named like a build's temporary folder, so a later build or rebuild removes it if this process dies
     work = out_dir.parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-{os.urandom(4).hex()}"

@@ -310,7 +310,7 @@ def test_a_tokenizer_mismatch_says_in_words_what_differs(models: dict[str, Path]
     code, _, err = _cli("eval", str(models["other"]), "--reference", str(models["donor"]), "--text", str(models["text"]),
                         "--ctx", str(CTX))
     _one_line_error(code, err)
-    assert "token pieces" in err and "{" not in err
+    assert "token list" in err and "{" not in err
     big = write_llama_gguf(tmp_path / "bigger-vocab.gguf", qtype="Q8_0", seed=11,
                            geometry=Geometry(**{**GEO.__dict__, "n_vocab": N_VOCAB + 16}))[0]
     code, _, err = _cli("eval", str(big), "--reference", str(models["donor"]), "--text", str(models["text"]), "--ctx", str(CTX))
@@ -410,9 +410,12 @@ def test_the_llama_cpp_python_binding_gives_the_same_panel(models: dict[str, Pat
     if "llama-cpp-python" not in available():
         pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python compiles llama.cpp); "
                     "the default runtime is tested above")
-    default = run(models, ["base", "mosaic"], models["donor"], ctx=CTX)
+    saved = models["text"].parent / "saved-by-the-default-runtime.npz"
+    default = run(models, ["base", "mosaic"], models["donor"], ctx=CTX, save_reference=saved)
     monkeypatch.setenv("MOSAIC_RUNTIME", "llama-cpp-python")
     other = run(models, ["base", "mosaic"], models["donor"], ctx=CTX)
+    across = run(models, ["base"], saved)  # a reference saved by one runtime, scored on the other
+    assert across["notes"] and "llama-cpp-python" in across["notes"][0]
     assert other["runtime"]["name"] == "llama-cpp-python"
     for a, b in zip(default["candidates"], other["candidates"]):
         assert b["positions"] == a["positions"]

@@ -343,3 +343,21 @@ def test_exl3_measurement_with_a_stand_in_runtime_plans_and_builds(tmp_path: Pat
     assert sum(p.stat().st_size for p in (tmp_path / "planned").glob("*.safetensors")) == rep["predicted_size"]
     r = CliRunner().invoke(main, ["plan", "--base", str(q3), "--donor", f"q4={q4}", "--scores", str(out), "--layers", "1"])
     assert r.exit_code == 2 and "measured another base" in r.stderr
+
+
+def test_relative_paths_any_donor_id_and_stale_work(smol: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default --out (relative, in the working folder), a donor named like the layout's own folders, a work
+    folder a killed measurement left, and --resume with --force."""
+    monkeypatch.chdir(tmp_path)
+    stale = tmp_path / ".measurement.json.measure-999999999"
+    stale.mkdir()
+    (stale / "leftover").write_bytes(b"x")
+    args = ["measure", "--base", str(smol["Q2_K"]), "--donor", f"candidate={smol['Q8_0']}", "--reference", str(smol["teacher"]),
+            "--text", str(smol["measure"]), "--unit", "module-group", "--only-layers", "2", "--ctx", str(CTX), "--top-k", "8"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "measurement.json").read_text())
+    assert {x["donor"] for x in doc["results"]} == {"candidate"} and len(doc["results"]) == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["measurement.json"]  # the stale work folder is gone too
+    r = CliRunner().invoke(main, [*args, "--resume", "--force"])
+    assert r.exit_code == 2 and "give one of them" in r.stderr

@@ -85,6 +85,10 @@ class _Teacher:
     live: Backend | None
     saved: Reference | None
 
+    @classmethod
+    def of(cls, ref: Reference) -> _Teacher:
+        return cls(ref.model, ref.ctx, ref.k, ref.tokenizer, [list(map(int, t)) for t in ref.row_tokens], None, ref)
+
 
 def _model_check(path: str, ctx: int) -> GGUFCheck | None:
     p = Path(path)
@@ -112,7 +116,7 @@ def _saved_teacher(req: EvalRequest, rows: Rows) -> _Teacher:
         raise FormatError(f"{req.reference}: saved with --top-k {saved.k}, not {req.top_k}")
     if req.save_reference is not None:
         raise FormatError("--save-reference needs a live reference model, not a saved one")
-    return _Teacher(saved.model, saved.ctx, saved.k, saved.tokenizer, [list(map(int, t)) for t in saved.row_tokens], None, saved)
+    return _Teacher.of(saved)
 
 
 def _check_tokens(c: Backend, teacher: _Teacher, rows: Rows) -> None:
@@ -166,7 +170,7 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
             cands.append(b)
         used = get_runtime(req.runtime, threads=req.threads, verbose=req.verbose).info if any(
             isinstance(b, GGUFBackend) for b in [*cands, *([teacher.live] if teacher.live else [])]) else None
-        scores, kept = _score(teacher, cands, ctx, progress, len(rows.texts))
+        scores, kept = _score(teacher, cands, ctx, progress, len(rows.texts), keep=req.save_reference is not None)
     exact = teacher.live is not None
     results = [summarize(c.name, s, exact) for c, s in zip(cands, scores)]
     doc: dict[str, object] = {
@@ -203,24 +207,22 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
 def score_against(ref: Reference, cands: list[Backend], progress: Reporter = SILENT) -> list[dict[str, object]]:
     """Each candidate scored against a saved reference as ``mosaic eval`` scores it (the KL lower bound),
     the candidates already known to tokenize as the reference did; their panels (``summarize``)."""
-    teacher = _Teacher(ref.model, ref.ctx, ref.k, ref.tokenizer, [list(map(int, t)) for t in ref.row_tokens], None, ref)
-    scores, _ = _score(teacher, cands, ref.ctx, progress, len(ref.row_tokens))
+    scores, _ = _score(_Teacher.of(ref), cands, ref.ctx, progress, len(ref.row_tokens))
     return [summarize(c.name, s, False) for c, s in zip(cands, scores)]
 
 
 def check_tokens(c: Backend, ref: Reference, rows: Rows) -> None:
     """``c`` tokenizes every row as the reference did (its tokenizer's identity first)."""
-    _check_tokens(c, _Teacher(ref.model, ref.ctx, ref.k, ref.tokenizer, [list(map(int, t)) for t in ref.row_tokens],
-                              None, ref), rows)
+    _check_tokens(c, _Teacher.of(ref), rows)
 
 
 def _positions(row_tokens: list[list[int]], ctx: int) -> int:
     return sum(len(w) - 1 for t in row_tokens for w in windows(t, ctx))
 
 
-def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter,
-           n_rows: int) -> tuple[list[Scores], tuple[list[np.ndarray], list[np.ndarray]]]:
-    """Every candidate's per-position scores; the teacher's top-k of every position (live teacher only)."""
+def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter, n_rows: int,
+           keep: bool = False) -> tuple[list[Scores], tuple[list[np.ndarray], list[np.ndarray]]]:
+    """Every candidate's per-position scores; with ``keep``, the live teacher's top-k of every position."""
     work = _positions(teacher.row_tokens, ctx)
     what = f"{n_rows} rows, {len(cands)} candidate(s)" if cands else f"{n_rows} rows, the teacher alone"
     advance = progress.step(f"{what} against {teacher.name}", work)
@@ -249,8 +251,9 @@ def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter
                     if teacher.live is not None:
                         t_lp = log_softmax(pieces[0][a:b])
                         ids, lps = top_k(t_lp, k)
-                        kept_ids.append(ids)
-                        kept_lp.append(lps)
+                        if keep:
+                            kept_ids.append(ids)
+                            kept_lp.append(lps)
                         cand_pieces = pieces[1:]
                     else:
                         assert teacher.saved is not None
@@ -259,6 +262,8 @@ def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter
                         if ids.shape[0] != s1 - s0:
                             raise FormatError("the saved reference holds fewer positions than the text needs; saved for another --ctx?")
                         cand_pieces = pieces
+                    if cand_pieces and int(ids.max(initial=0)) >= cand_pieces[0].shape[1]:
+                        raise FormatError("the saved reference names tokens beyond the candidates' vocabulary")
                     for ci, cp in enumerate(cand_pieces):
                         c_lp = log_softmax(cp[a:b])
                         kl = kl_exact(t_lp, c_lp) if teacher.live is not None else kl_lower_bound(ids, lps, c_lp)

@@ -124,6 +124,7 @@ class _CyllamaModel:
         try:
             self._ctx = cy.LlamaContext(self._model, cp)
         except (ValueError, RuntimeError, MemoryError) as e:
+            self._model.close()
             raise RuntimeFailure(f"{path}: llama.cpp could not create a context of {ctx} tokens: {_one_line(e)}") from None
         self._batch = cy.LlamaBatch(n_tokens=batch, embd=0, n_seq_max=1)
         self._cap = batch

@@ -9,6 +9,7 @@ CUDA GPU, swapping a unit's modules in memory.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Protocol
 
@@ -53,8 +54,7 @@ class GGUFScorer:
             b.close()
 
     def _open(self, first: Path, name: str) -> GGUFBackend:
-        check = type(self._check)(self._check.model, first, self._check.n_vocab, self._check.context_length)
-        return GGUFBackend(check, name, self._rt, self._ref.ctx, self.batch)
+        return GGUFBackend(dataclasses.replace(self._check, first=first), name, self._rt, self._ref.ctx, self.batch)
 
     def _score(self, first: Path, name: str) -> dict:
         b = self._open(first, name)
@@ -107,14 +107,19 @@ class Exl3Scorer:
     def candidate(self, unit: int, donor: str) -> dict:
         import shutil
 
+        import yaml
+
         from mosaic.build.run import build
 
         u = self._units[unit]
-        rule = f"  - from: {donor}\n    layers: [{u.layer}]\n" + (f"    modules: [{u.pattern}]\n" if u.pattern else "")
+        rule: dict[str, object] = {"from": donor, "layers": [u.layer]}
+        if u.pattern:
+            rule["modules"] = [u.pattern]
         recipe = self._work / "candidate.yaml"
-        recipe.write_text(f"name: candidate\nbase:\n  path: {self._base.ckpt.root.resolve()}\n"  # type: ignore[attr-defined]
-                          f"donors:\n  {donor}:\n    path: {self._donors[donor].ckpt.root.resolve()}\n"  # type: ignore[attr-defined]
-                          f"replace:\n{rule}")
+        recipe.write_text(yaml.safe_dump({
+            "name": "candidate", "base": {"path": str(self._base.ckpt.root.resolve())},  # type: ignore[attr-defined]
+            "donors": {donor: {"path": str(self._donors[donor].ckpt.root.resolve())}},  # type: ignore[attr-defined]
+            "replace": [rule]}, sort_keys=False))
         out = self._work / "candidate"
         try:
             build(recipe, out=out, force=True, link=True)

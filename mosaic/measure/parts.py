@@ -87,7 +87,9 @@ def lay_out(root: Path, base: GGUFModel, units: list[Unit], donors: dict[str, GG
     count = len(units) + 1
     total = len(base.tensors)
     parts = Parts(root, count)
+    root = root.resolve()  # the candidates' links point here: absolute, whatever the working folder
     root.mkdir(parents=True)
+    parts.root = root
     advance = progress.step("laying out the parts once", part_bytes(base, units, donors, runs))
     meta = [kv for kv in base.metadata.values()]
     first = [t for t in base.tensors if t.name not in in_unit]
@@ -100,7 +102,7 @@ def lay_out(root: Path, base: GGUFModel, units: list[Unit], donors: dict[str, GG
         d = donors[sid]
         dn = d.by_name()
         ts = [dn[n] for n in units[ui].tensors]
-        parts.donor[(ui, sid)] = _write(root / sid / parts.name(ui + 1), _split_keys(ui + 1, count, total), d, ts, advance)
+        parts.donor[(ui, sid)] = _write(root / "donors" / sid / parts.name(ui + 1), _split_keys(ui + 1, count, total), d, ts, advance)
     parts.candidate_dir = root / "candidate"
     parts.candidate_dir.mkdir()
     return parts

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mosaic import __version__
+from mosaic.build.run import fsync_dir
 from mosaic.errors import MosaicError, OutputError, VerificationError
 from mosaic.eval.reference import Reference, is_reference_file, load_reference
 from mosaic.eval.rows import Rows, load_rows
@@ -55,6 +56,21 @@ class MeasureRequest:
     verbose: bool = False
 
 
+def _remove_stale_work(workdir: Path, name: str) -> None:
+    """Work folders of measurements whose process is gone (killed): each holds a copy of the base."""
+    for p in workdir.glob(f".{name}.measure-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
 def _sha256(path: Path) -> str:
     return digest_file(path).sha256
 
@@ -72,6 +88,8 @@ def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
     teacher_path = jpath.with_name(jpath.name + ".teacher.npz")
     if out.exists() and not req.force:
         raise OutputError(f"{out}: exists; --force replaces it")
+    if req.resume and req.force:
+        raise MosaicError("--resume continues an interrupted measurement and --force discards it: give one of them")
     if req.resume and not jpath.is_file():
         raise MosaicError(f"--resume: no interrupted measurement at {jpath}")
     if jpath.exists() and not req.resume and not req.force:
@@ -82,9 +100,9 @@ def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
     if len(set(ids)) != len(ids):
         raise MosaicError(f"--donor {next(d for d in ids if ids.count(d) > 1)}: given twice")
 
+    rows = load_rows(req.text)  # cheap checks first: the side hashes the sources
     side = gguf_side(req, progress) if is_gguf_src(req.base) else exl3_side(req, progress)
     only = side.layers
-    rows = load_rows(req.text)
 
     saved = is_reference_file(req.reference)
     if saved:
@@ -133,7 +151,10 @@ def _teacher(req: MeasureRequest, journal: Journal, reference: dict, teacher_pat
     tmp = teacher_path.with_name(teacher_path.name + ".tmp.npz")
     evaluate(EvalRequest([], req.reference, req.text, ctx, k, save_reference=tmp, threads=req.threads, verbose=req.verbose),
              progress)
+    with open(tmp, "rb") as f:  # durable before the journal names it
+        os.fsync(f.fileno())
     os.replace(tmp, teacher_path)
+    fsync_dir(teacher_path.parent)
     journal.add({"kind": "teacher", "sha256": _sha256(teacher_path)})
     return load_reference(teacher_path)
 
@@ -146,12 +167,13 @@ def _run(req: MeasureRequest, journal: Journal, side: Side, rows: Rows, referenc
     same = [(ui, d) for ui, d in runs if (units[ui].layer, units[ui].group, d) not in done and side.same_bytes(ui, d)]
     todo = [(ui, d) for ui, d in runs if (units[ui].layer, units[ui].group, d) not in done and (ui, d) not in same]
     base_rec = next((r for r in journal.records if r["kind"] == "base"), None)
-    workdir = Path(req.workdir) if req.workdir is not None else out.parent
+    workdir = (Path(req.workdir) if req.workdir is not None else out.parent).resolve()
     scorer: Scorer | None = None
     work: Path | None = None
     try:
         if todo or base_rec is None:
             check_space(workdir, side.space_needed(todo))
+            _remove_stale_work(workdir, out.name)
             work = workdir / f".{out.name}.measure-{os.getpid()}"
             shutil.rmtree(work, ignore_errors=True)
             scorer = side.scorer(todo, ref, rows, work, req, progress)
@@ -209,6 +231,7 @@ def _run(req: MeasureRequest, journal: Journal, side: Side, rows: Rows, referenc
     if errs:
         raise VerificationError(f"the measurement does not match its schema: {errs[0]}")
     atomic_write(out, dumps(doc))
+    fsync_dir(out.resolve().parent)  # --out is durable before its journal goes
     journal.close()
     journal.path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):

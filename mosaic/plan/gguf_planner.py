@@ -28,6 +28,7 @@ from mosaic.errors import MosaicError, VerificationError
 from mosaic.formats.gguf_container import align, layout
 from mosaic.gguf_select import GROUPS, module_patterns
 from mosaic.gguf_sources import gguf_source, is_gguf_src, open_gguf_source
+from mosaic.plan.measurement import measurement_in
 from mosaic.plan.scores import ScoresError, read_scores_file
 from mosaic.plan.solver import Option, Solution, choose_count, greedy, solve_pareto
 from mosaic.plan.units import PlanError
@@ -114,19 +115,6 @@ class _Choice:
     kind: str
 
 
-def _measurement_doc(path: Path) -> dict | None:
-    """The scores file as a ``mosaic.measurement/v1`` document, or ``None`` when it is another kind."""
-    from mosaic.plan.measurement import SCHEMA_ID, load_measurement
-
-    try:
-        head = path.read_bytes()[:4096]
-    except OSError as e:
-        raise ScoresError(f"{path}: cannot read scores: {e.strerror or e}") from None
-    if SCHEMA_ID.encode() not in head:
-        return None
-    return load_measurement(path)
-
-
 def _per_layer_choice(r: object, base: GGUFModel, base_spec: SourceSpec, hub: dict) -> tuple[_Choice, list[str]]:
     donors_arg: list[tuple[str, str]] = r.donors  # type: ignore[attr-defined]
     if len(donors_arg) != 1:
@@ -152,9 +140,19 @@ def _per_layer_choice(r: object, base: GGUFModel, base_spec: SourceSpec, hub: di
     return _Choice(units, options, delta, bits, {}, [(did, donor_spec, donor)], r.unit), notes  # type: ignore[attr-defined]
 
 
+def _records(model: GGUFModel, spec: SourceSpec, hub: dict, sid: str) -> list[dict]:
+    """A source's file records to compare with a measurement's: a hub source read by ranges has only its
+    header here, so its digests are the hub's (LFS SHA-256), not a hash of the placeholder."""
+    from mosaic.build.digest_cache import file_records
+
+    if sid in hub:
+        claimed = hub[sid].claimed_digests()
+        return [{"name": f, "size": model.headers[f].file_size, "sha256": claimed.get(f, "")} for f in model.files]
+    return file_records(model, spec)
+
+
 def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpec, hub: dict) -> tuple[_Choice, list[str]]:
     """Units × donors from a measurement of these very sources: the score of an option is its −dkl."""
-    from mosaic.build.digest_cache import file_records
     from mosaic.plan.gguf_units import dbytes, gguf_units
 
     path = r.scores  # type: ignore[attr-defined]
@@ -163,7 +161,7 @@ def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpe
     kind = doc["settings"]["unit"]
     if r.unit_explicit and r.unit != kind:  # type: ignore[attr-defined]
         raise ScoresError(f"{path}: measures {kind} units, not {r.unit} (--unit); measure again with --unit {r.unit}")  # type: ignore[attr-defined]
-    if file_records(base, base_spec) != doc["base"]["files"]:
+    if _records(base, base_spec, hub, "base") != doc["base"]["files"]:
         raise ScoresError(f"{path}: measured another base ({doc['base']['source']}): its files' digests differ from {r.base}'s")  # type: ignore[attr-defined]
     donors: list[tuple[str, SourceSpec, GGUFModel]] = []
     for did, dsrc in r.donors:  # type: ignore[attr-defined]
@@ -174,7 +172,7 @@ def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpe
         spec = gguf_source(dsrc, f"--donor {did}", did)
         model = open_gguf_source(spec, Path.cwd(), ranges=hub)
         check_same_model(base, did, model)
-        if file_records(model, spec) != doc["donors"][did]["files"]:
+        if _records(model, spec, hub, did) != doc["donors"][did]["files"]:
             raise ScoresError(f"{path}: measured another donor {did!r} ({doc['donors'][did]['source']}): "
                               f"its files' digests differ from {dsrc}'s")
         donors.append((did, spec, model))
@@ -241,7 +239,7 @@ def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     base_spec = gguf_source(r.base, "--base", "base")  # type: ignore[attr-defined]
     hub: dict = {}  # hub sources not in the cache: their headers read by ranges
     base = open_gguf_source(base_spec, Path.cwd(), ranges=hub)
-    doc = _measurement_doc(r.scores)  # type: ignore[attr-defined]
+    doc = measurement_in(r.scores)  # type: ignore[attr-defined]
     choice, notes = (_measured_choice(r, doc, base, base_spec, hub) if doc is not None
                      else _per_layer_choice(r, base, base_spec, hub))
     name = _name(base_spec, base)

@@ -46,5 +46,14 @@ def load_measurement(path: Path) -> dict:
     return doc  # type: ignore[return-value]
 
 
+def measurement_in(path: Path) -> dict | None:
+    """The scores file as a measurement (validated), or ``None`` when it is another kind of scores file."""
+    try:
+        head = path.read_bytes()[:4096]
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read scores: {e.strerror or e}") from None
+    return load_measurement(path) if SCHEMA_ID.encode() in head else None
+
+
 def dumps(doc: dict) -> bytes:
     return (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode()

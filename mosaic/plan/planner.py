@@ -184,15 +184,11 @@ def _check_candidates(base: Analysis, donors: dict[str, Analysis], units: list[U
 def _measurement(req: PlanRequest, base: Analysis, donors: dict[str, Analysis]) -> tuple[str, dict] | None:
     """(unit, document) when the scores file is a ``mosaic measure`` document of these very sources."""
     from mosaic.build.digest_cache import folder_records
-    from mosaic.plan.measurement import SCHEMA_ID, load_measurement
+    from mosaic.plan.measurement import measurement_in
 
-    try:
-        head = req.scores.read_bytes()[:4096]
-    except OSError as e:
-        raise ScoresError(f"{req.scores}: cannot read scores: {e.strerror or e}") from None
-    if SCHEMA_ID.encode() not in head:
+    doc = measurement_in(req.scores)
+    if doc is None:
         return None
-    doc = load_measurement(req.scores)
     if doc["format"] != "exl3":
         raise ScoresError(f"{req.scores}: a measurement of GGUF models; the base is an EXL3 folder")
     kind = doc["settings"]["unit"]
