@@ -309,6 +309,31 @@ def hub_env(endpoint: str, home: Path) -> dict[str, str]:
             "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "hf_bench", "NO_PROXY": "127.0.0.1,localhost"}
 
 
+def race_fetch_and_stream(case: str, hub: object, recipe: Path, home: Path, out: Path, runs: int,
+                          fetch_name: str) -> dict[str, int]:
+    """Race ``mosaic fetch`` + ``mosaic build`` against ``mosaic build --stream`` of a recipe over the local hub,
+    each from an empty cache; the bytes the hub served to each."""
+    env = hub_env(hub.endpoint, home)  # type: ignore[attr-defined]
+    moved: dict[str, int] = {}
+
+    def fresh() -> None:
+        drop(home)
+        drop(out)
+        hub.served.clear()  # type: ignore[attr-defined]
+
+    def download_then_build() -> None:
+        sh([*MOSAIC, "fetch", str(recipe)], env=env)
+        sh([*MOSAIC, "build", str(recipe), "--out", str(out)], env=env)
+        moved[fetch_name] = sum(hub.served.values())  # type: ignore[attr-defined]
+
+    def streamed() -> None:
+        sh([*MOSAIC, "build", str(recipe), "--stream", "--out", str(out)], env=env)
+        moved["mosaic build --stream"] = sum(hub.served.values())  # type: ignore[attr-defined]
+
+    race(case, {fetch_name: (download_then_build, fresh), "mosaic build --stream": (streamed, fresh)}, runs, fetch_name)
+    return moved
+
+
 def case_stream(runs: int, size_gb: float) -> None:
     """A streamed build (ranges of the donor's selected tensors, the base's bytes) against downloading
     both sources whole and building from the cache, through a local hub look-alike that counts bytes."""
@@ -329,27 +354,8 @@ def case_stream(runs: int, size_gb: float) -> None:
             f"donors:\n  q3:\n    repo: bench/donor\n    revision: {shas['bench/donor']}\n"
             "replace:\n  - from: q3\n    layers: [2, 5, 9]\n    modules: [mlp.experts]\n"
         )
-        env = hub_env(hub.endpoint, home)
-        moved: dict[str, int] = {}
-
-        def fresh() -> None:
-            drop(home)
-            drop(out)
-            hub.served.clear()
-
-        def download_then_build() -> None:
-            sh([*MOSAIC, "fetch", str(recipe)], env=env)
-            sh([*MOSAIC, "build", str(recipe), "--out", str(out)], env=env)
-            moved["download then build"] = sum(hub.served.values())
-
-        def streamed() -> None:
-            sh([*MOSAIC, "build", str(recipe), "--stream", "--out", str(out)], env=env)
-            moved["mosaic build --stream"] = sum(hub.served.values())
-
-        race(f"stream: {size_gb} GB pair via a local hub", {
-            "download then build": (download_then_build, fresh),
-            "mosaic build --stream": (streamed, fresh),
-        }, runs, "download then build")
+        moved = race_fetch_and_stream(f"stream: {size_gb} GB pair via a local hub", hub, recipe, home, out, runs,
+                                      "download then build")
         whole = moved["download then build"]
         for name, n in moved.items():
             row(f"stream: {size_gb} GB pair via a local hub", f"{name}: bytes from the hub", f"{n / 1e9:.3f} GB",
@@ -599,25 +605,7 @@ def case_gguf_stream(runs: int, size_gb: float) -> None:
             f"donors:\n  q8:\n    repo: bench/gguf\n    revision: {sha}\n    file: Q8_0\n"
             "replace:\n  - from: q8\n    layers: [2, 5, 9, 13]\n    modules: [ffn_exps]\n"
         )
-        env = hub_env(hub.endpoint, home)
-        moved: dict[str, int] = {}
-
-        def fresh() -> None:
-            drop(home)
-            drop(out)
-            hub.served.clear()
-
-        def download_then_build() -> None:
-            sh([*MOSAIC, "fetch", str(recipe)], env=env)
-            sh([*MOSAIC, "build", str(recipe), "--out", str(out)], env=env)
-            moved["fetch then build"] = sum(hub.served.values())
-
-        def streamed() -> None:
-            sh([*MOSAIC, "build", str(recipe), "--stream", "--out", str(out)], env=env)
-            moved["mosaic build --stream"] = sum(hub.served.values())
-
-        race(case, {"fetch then build": (download_then_build, fresh), "mosaic build --stream": (streamed, fresh)},
-             runs, "fetch then build")
+        moved = race_fetch_and_stream(case, hub, recipe, home, out, runs, "fetch then build")
         output = sum(p.stat().st_size for p in out.glob("*.gguf"))
         for name, n in moved.items():
             row(case, f"{name}: bytes from the hub", f"{n / 1e9:.3f} GB", f"{n / moved['fetch then build']:.2f} × fetch; "

@@ -25,10 +25,9 @@ from mosaic.build import digest_cache
 from mosaic.build.gguf_plan import GGUFPlan, selection_summary
 from mosaic.build.splice import Flusher, durable_files
 from mosaic.errors import VerificationError
-from mosaic.faults import check_cancel
 from mosaic.faults import point as fault_point
 from mosaic.formats.gguf_container import read_gguf, type_bits, type_name
-from mosaic.formats.safetensors_writer import copy_range
+from mosaic.formats.safetensors_writer import copy_in_steps
 from mosaic.gguf_card import render_gguf_card
 from mosaic.hashing import digest_file, digest_ranges, parallel_map, scratch, sha256_bytes
 from mosaic.progress import SILENT, Reporter
@@ -171,14 +170,7 @@ def _write_part(plan: GGUFPlan, index: int, dst_path: Path, on_bytes: object, du
             src_path = plan.models[t.source].path(t.src.file)
             if src_path not in fds:
                 fds[src_path] = os.open(src_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            pos = 0
-            while pos < t.nbytes:
-                check_cancel()
-                step = min(t.nbytes - pos, 64 << 20)
-                methods.add(copy_range(fds[src_path], dst, step, t.src.start + pos, t.offset + pos, buf=buf))
-                pos += step
-                on_bytes(step)  # type: ignore[operator]
-                fault_point("copy")
+            methods |= copy_in_steps(fds[src_path], dst, t.nbytes, t.src.start, t.offset, buf=buf, on_bytes=on_bytes)  # type: ignore[arg-type]
         os.ftruncate(dst, lay.size)
         durable.take(os.dup(dst))
     finally:

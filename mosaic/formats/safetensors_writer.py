@@ -153,6 +153,23 @@ def copy_range(
     return "kernel"
 
 
+def copy_in_steps(src: int, dst: int, count: int, src_off: int, dst_off: int, *, buf: bytearray, kernel: bool = True,
+                  on_bytes: Callable[[int], None] | None = None) -> set[str]:
+    """:func:`copy_range` in bounded steps, so that progress moves and Ctrl-C is honoured on large tensors too
+    (each step is also the ``copy`` fault point); returns the methods used."""
+    methods: set[str] = set()
+    pos = 0
+    while pos < count:
+        check_cancel()
+        step = min(count - pos, 64 << 20)
+        methods.add(copy_range(src, dst, step, src_off + pos, dst_off + pos, buf=buf, kernel=kernel))
+        pos += step
+        if on_bytes:
+            on_bytes(step)
+        fault_point("copy")
+    return methods
+
+
 def write_shard(
     layout: ShardLayout,
     dst_path: str | os.PathLike[str],
@@ -186,16 +203,7 @@ def write_shard(
             else:
                 runs.append([t.source_path, t.source_offset, off, t.nbytes])
         for src_path, src_off, dst_off, count in runs:
-            src = fds[src_path]
-            pos = 0
-            while pos < count:  # bounded steps: progress moves and Ctrl-C is honoured on large tensors too
-                check_cancel()
-                step = min(count - pos, 64 << 20)
-                methods.add(copy_range(src, dst, step, src_off + pos, dst_off + pos, buf=buf, kernel=kernel_copy))
-                pos += step
-                if on_bytes:
-                    on_bytes(step)
-                fault_point("copy")
+            methods |= copy_in_steps(fds[src_path], dst, count, src_off, dst_off, buf=buf, kernel=kernel_copy, on_bytes=on_bytes)
         os.ftruncate(dst, layout.size)
         if hand_off is None:
             os.fsync(dst)

@@ -21,9 +21,8 @@ from pathlib import Path
 from mosaic.build.gguf_plan import _split_keys
 from mosaic.checkpoint.gguf_model import GGUFModel, split_name
 from mosaic.errors import MosaicError, OutputError
-from mosaic.faults import check_cancel
 from mosaic.formats.gguf_container import layout, read_gguf
-from mosaic.formats.safetensors_writer import copy_range
+from mosaic.formats.safetensors_writer import copy_in_steps
 from mosaic.hashing import scratch
 from mosaic.plan.gguf_units import Unit
 from mosaic.progress import SILENT, Reporter
@@ -121,13 +120,7 @@ def _write(path: Path, kvs: list, model: GGUFModel, tensors: list, advance: obje
             src = model.path(t.file)
             if src not in fds:
                 fds[src] = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            pos = 0
-            while pos < t.nbytes:
-                check_cancel()
-                step = min(t.nbytes - pos, 64 << 20)
-                copy_range(fds[src], dst, step, t.start + pos, lay.data_start + info.offset + pos, buf=buf)
-                pos += step
-                advance(step)  # type: ignore[operator]
+            copy_in_steps(fds[src], dst, t.nbytes, t.start, lay.data_start + info.offset, buf=buf, on_bytes=advance)  # type: ignore[arg-type]
         os.ftruncate(dst, lay.size)
     finally:
         os.close(dst)
