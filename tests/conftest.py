@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mosaic.testing import Geometry, every_group_geometry, write_checkpoint
+from mosaic.testing.exl3 import Geometry, every_group_geometry, write_checkpoint
 
 
 def tree_digest(root: Path) -> dict[str, str]:

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mosaic.audit.run import audit
-from mosaic.build.run import build
+from mosaic._audit.run import audit
+from mosaic._build.run import build
+from mosaic._formats.safetensors_reader import read_header
+from mosaic._provenance.records import FileRecord, manifest, parse_manifest
 from mosaic.cli.commands import main
-from mosaic.formats.safetensors_reader import read_header
-from mosaic.records import FileRecord, manifest, parse_manifest
-from mosaic.testing import Geometry, glm_geometry
+from mosaic.testing.exl3 import Geometry, glm_geometry
 
 from .test_build import BASE, DONOR, recipe_doc, write_recipe
 
@@ -96,7 +96,7 @@ def test_untouched_build_passes_with_sources(built, monkeypatch: pytest.MonkeyPa
     ],
 )
 def test_no_false_alarm_across_geometries(tmp_path: Path, geometry: Geometry) -> None:
-    from mosaic.testing import write_checkpoint
+    from mosaic.testing.exl3 import write_checkpoint
 
     base = write_checkpoint(tmp_path / "b", geometry.with_(seed=1))
     donor = write_checkpoint(tmp_path / "d", geometry.with_(seed=2, bits=4, style="exl3" if geometry.style == "library" else "library"))
@@ -222,7 +222,7 @@ def test_source_switched_with_manifest_regenerated(mosaic: Path) -> None:
     for t in doc["tensors"]:
         if t["name"] == KEPT:
             t["source"] = "q3"
-    from mosaic.records import dumps
+    from mosaic._provenance.records import dumps
 
     p.write_bytes(dumps(doc))
     regenerate_manifest(mosaic)
@@ -270,8 +270,8 @@ def test_sources_catch_a_forged_tensor(built, tmp_path: Path) -> None:
     for f in doc["files"]:
         if f["name"] == shard.name:
             f["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()
-    from mosaic.card import render_card
-    from mosaic.records import dumps
+    from mosaic._provenance.card import render_card
+    from mosaic._provenance.records import dumps
 
     (m / "README.md").write_bytes(render_card(doc))
     for f in doc["files"]:
@@ -317,7 +317,7 @@ def test_sha256sum_agrees(built) -> None:
 
 
 def test_audit_does_not_import_the_planner() -> None:
-    code = ("import sys, mosaic.audit.run; bad = [m for m in sys.modules if m.split('.')[:2] in (['mosaic', 'build'], ['mosaic', 'plan'])];"
+    code = ("import sys, mosaic._audit.run; bad = [m for m in sys.modules if m.split('.')[:2] in (['mosaic', 'build'], ['mosaic', 'plan'])];"
             " print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
@@ -332,7 +332,7 @@ def test_manifest_parser_is_strict() -> None:
 
 
 def test_glm_geometry_mosaic_audits_clean(tmp_path: Path) -> None:
-    from mosaic.testing import write_checkpoint
+    from mosaic.testing.exl3 import write_checkpoint
 
     g = glm_geometry(layers=6, dense_layers=3, experts=16, vision_blocks=1, shard_size=1 << 20)
     base = write_checkpoint(tmp_path / "b", g.with_(seed=1))
@@ -370,7 +370,7 @@ def test_an_overflowing_number_in_provenance_is_a_failure_not_a_traceback(mosaic
 def test_an_empty_tensor_list_names_every_tensor_it_leaves_out(mosaic: Path) -> None:
     """PROVENANCE.json with "tensors": [] (valid for the schema): every shard tensor is reported as
     missing from it, one failure each."""
-    from mosaic.records import dumps
+    from mosaic._provenance.records import dumps
 
     m = mosaic
     p = m / "PROVENANCE.json"

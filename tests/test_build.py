@@ -16,13 +16,13 @@ import yaml
 from click.testing import CliRunner
 from safetensors import deserialize
 
-from mosaic.audit.run import audit
-from mosaic.build.provenance import validation_errors
-from mosaic.build.run import PARTIAL_TAG, build
+from mosaic._audit.run import audit
+from mosaic._base.errors import OutputError, RecipeError, SourceError, VerificationError
+from mosaic._build.provenance import validation_errors
+from mosaic._build.run import PARTIAL_TAG, build
+from mosaic._recipe.document import parse_recipe
 from mosaic.cli.commands import main
-from mosaic.errors import OutputError, RecipeError, SourceError, VerificationError
-from mosaic.recipe import parse_recipe
-from mosaic.testing import Geometry, every_group_geometry, write_checkpoint
+from mosaic.testing.exl3 import Geometry, every_group_geometry, write_checkpoint
 
 from .conftest import tree_digest
 
@@ -161,8 +161,8 @@ def test_untouched_shards_copied_or_linked(ckpt_factory, tmp_path: Path, link: b
 def test_an_untouched_shard_is_hashed_once_and_compared_with_its_base_file(ckpt_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A copied untouched shard's base file is not hashed in step 1: the copy is read back beside it,
     compared byte for byte and hashed once; PROVENANCE is the same as when both are hashed (--link)."""
-    from mosaic import hashing
-    from mosaic.build import splice as splice_mod
+    from mosaic._base import hashing
+    from mosaic._build import splice as splice_mod
 
     base = ckpt_factory(BASE.with_(shard_size=1 << 20))
     donor = ckpt_factory(DONOR)
@@ -188,7 +188,7 @@ def test_an_untouched_shard_is_hashed_once_and_compared_with_its_base_file(ckpt_
 
 
 def test_a_copy_that_differs_from_its_base_file_fails_the_build(ckpt_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mosaic.build import splice as splice_mod
+    from mosaic._build import splice as splice_mod
 
     base = ckpt_factory(BASE.with_(shard_size=1 << 20))
     donor = ckpt_factory(DONOR)
@@ -394,10 +394,10 @@ def test_source_error_types(sources, tmp_path: Path) -> None:
 def test_trusted_source_digests_skip_reads_but_are_still_checked(ckpt_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Digests verified at download let the build skip reading untouched shards and unused tensors;
     a wrong one is still caught when the copy is read back."""
-    from mosaic.build import splice as splice_mod
-    from mosaic.build.run import plan_build
-    from mosaic.hashing import digest_file
-    from mosaic.recipe import load_recipe
+    from mosaic._base.hashing import digest_file
+    from mosaic._build import splice as splice_mod
+    from mosaic._build.run import plan_build
+    from mosaic._recipe.document import load_recipe
 
     base = ckpt_factory(BASE.with_(shard_size=1 << 20))
     donor = ckpt_factory(DONOR)
@@ -426,8 +426,8 @@ def test_trusted_source_digests_skip_reads_but_are_still_checked(ckpt_factory, t
 def test_digest_cache_spares_rereading_sources_and_cannot_fool_the_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json as _json
 
-    from mosaic.build import digest_cache
-    from mosaic.build import splice as splice_mod
+    from mosaic._build import digest_cache
+    from mosaic._build import splice as splice_mod
 
     monkeypatch.setenv("MOSAIC_CACHE_DIR", str(tmp_path / "cache"))
     g = BASE.with_(shard_size=1 << 20)
@@ -547,8 +547,8 @@ def test_relative_sources_get_the_portability_note_and_hub_sources_do_not(source
 def test_a_json_file_changed_after_it_was_read_is_not_spliced(demo_base, copy_of) -> None:  # type: ignore[no-untyped-def]
     """The layout splices the index and quantization_config.json from the texts the census checked:
     read again, they must be those bytes, or nothing is written from them."""
-    from mosaic.checkpoint.folder import QCONFIG_NAME, open_checkpoint
-    from mosaic.errors import CheckpointError
+    from mosaic._base.errors import CheckpointError
+    from mosaic._checkpoint.folder import QCONFIG_NAME, open_checkpoint
 
     folder = copy_of(demo_base)
     ck = open_checkpoint(folder)
@@ -565,7 +565,7 @@ def test_quantization_configs_in_another_layout_build_the_same_document(sources,
     """A base or donor whose quantization_config.json is not in exllamav3's layout (minified: no
     entry spans to prove) is parsed whole; the mosaic's document is the same as from the indent=4
     texts, only written anew, and the mosaic audits clean."""
-    from mosaic.audit.run import audit
+    from mosaic._audit.run import audit
 
     base, donor = sources
     ref = build(write_recipe(tmp_path, recipe_doc(base, donor, at=tmp_path)), out=tmp_path / "ref", jobs=1).out_dir
@@ -588,8 +588,8 @@ def test_a_donor_entry_span_holding_two_members_is_never_spliced(sources, copy_o
     """A donor text whose entry, by its lines, runs on into a second member ("zz.extra"): valid
     JSON, but the span is not one member. The mosaic takes the entry the whole parse gives, and
     nothing of the member that rode along."""
-    from mosaic.audit.run import audit
-    from mosaic.checkpoint.qconfig import entry_span_list
+    from mosaic._audit.run import audit
+    from mosaic._checkpoint.qconfig import entry_span_list
 
     base, donor = sources
     donor = copy_of(donor, "donor")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from mosaic.audit.run import audit
-from mosaic.build.run import build
-from mosaic.card import render_card
+from mosaic._audit.run import audit
+from mosaic._build.run import build
+from mosaic._provenance.card import render_card
 
 from .test_build import BASE, DONOR, recipe_doc, write_recipe
 

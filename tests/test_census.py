@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mosaic.checkpoint.census import analyze, census_report
-from mosaic.checkpoint.folder import open_checkpoint
+from mosaic._base.errors import CheckpointError, SafetensorsError
+from mosaic._checkpoint.census_exl3 import analyze, census_report
+from mosaic._checkpoint.folder import open_checkpoint
 from mosaic.cli.commands import main
-from mosaic.errors import CheckpointError, SafetensorsError
-from mosaic.testing import every_group_geometry, glm_geometry, rewrite_shard
+from mosaic.testing.exl3 import every_group_geometry, glm_geometry, rewrite_shard
 
 STYLES = ["exl3", "library"]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from mosaic.audit.run import audit
-from mosaic.demo import run
-from mosaic.recipe import load_recipe
-from mosaic.signature import load_trust
+from mosaic._audit.run import audit
+from mosaic._provenance.signature import load_trust
+from mosaic._recipe.document import load_recipe
+from mosaic.cli.demo import run
 
 ROOT = Path(__file__).resolve().parents[1]
 

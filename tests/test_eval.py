@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from mosaic._base.errors import MosaicError, SourceError
+from mosaic._eval.panel import kl_lower_bound, log_softmax
+from mosaic._eval.run import EvalRequest, evaluate, windows
 from mosaic.cli.commands import main
-from mosaic.errors import MosaicError, SourceError
-from mosaic.eval.panel import kl_lower_bound, log_softmax
-from mosaic.eval.run import EvalRequest, evaluate, windows
-from mosaic.testing_gguf import N_VOCAB, Geometry, assemble_with_ggufpy, write_llama_gguf
+from mosaic.testing.gguf import N_VOCAB, Geometry, assemble_with_ggufpy, write_llama_gguf
 
 GEO = Geometry(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=64, n_expert=4, n_expert_used=2, context=128)
 ROWS = [
@@ -36,7 +36,7 @@ CTX = 16
 
 
 def runtime():  # type: ignore[no-untyped-def]
-    from mosaic.eval.runtime import available, get_runtime
+    from mosaic._eval.runtime import available, get_runtime
 
     if not available():
         reason = "no llama.cpp runtime is installed; `make test` installs the runtime extra (pip install -e '.[runtime]')"
@@ -196,7 +196,7 @@ def test_kl_lower_bound_is_exact_with_the_whole_vocabulary_and_below_it_otherwis
 
 
 def test_rows_files_are_read_strictly(tmp_path: Path) -> None:
-    from mosaic.eval.rows import load_rows
+    from mosaic._eval.rows import load_rows
 
     (tmp_path / "a.txt").write_text("\n\n")
     with pytest.raises(MosaicError, match="no rows"):
@@ -210,7 +210,7 @@ def test_rows_files_are_read_strictly(tmp_path: Path) -> None:
 
 def test_exl3_backend_needs_a_gpu(tmp_path: Path) -> None:
     """Without torch and a CUDA GPU the EXL3 backend is a one-line error; with one, it runs (GPU machines only)."""
-    from mosaic.testing import demo_geometry, write_checkpoint
+    from mosaic.testing.exl3 import demo_geometry, write_checkpoint
 
     folder = write_checkpoint(tmp_path / "exl3", demo_geometry())
     try:
@@ -232,7 +232,7 @@ def test_exl3_backend_needs_a_gpu(tmp_path: Path) -> None:
     [b"PK\x03\x04 not really a zip", b"", b"plain text"],
 )
 def test_a_damaged_reference_file_is_a_one_line_error(tmp_path: Path, content: bytes) -> None:
-    from mosaic.eval.reference import load_reference
+    from mosaic._eval.reference import load_reference
 
     bad = tmp_path / "teacher.npz"
     bad.write_bytes(content)
@@ -241,7 +241,7 @@ def test_a_damaged_reference_file_is_a_one_line_error(tmp_path: Path, content: b
 
 
 def test_a_reference_with_a_bad_header_is_refused(tmp_path: Path) -> None:
-    from mosaic.eval.reference import FORMAT, load_reference
+    from mosaic._eval.reference import FORMAT, load_reference
 
     for meta in (b"[1]", json.dumps({"format": FORMAT}).encode(), b'{"format": "' + FORMAT.encode() + b'", "format": 1}'):
         p = tmp_path / "r.npz"
@@ -357,7 +357,7 @@ def test_a_teacher_saved_alone_with_no_candidate(models: dict[str, Path], tmp_pa
 
 def test_what_ran_is_recorded_and_another_runtimes_reference_is_accepted_and_said_so(models: dict[str, Path],
                                                                                       tmp_path: Path) -> None:
-    from mosaic.eval.reference import load_reference
+    from mosaic._eval.reference import load_reference
 
     rt = runtime().info
     saved = tmp_path / "teacher.npz"
@@ -388,8 +388,8 @@ def test_what_ran_is_recorded_and_another_runtimes_reference_is_accepted_and_sai
 def test_batches_smaller_than_a_window_give_the_whole_windows_numbers(models: dict[str, Path],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     whole = run(models, ["base", "mosaic"], models["donor"], ctx=CTX)
-    import mosaic.eval.backends as backends
-    import mosaic.eval.run as run_mod
+    import mosaic._eval.backends as backends
+    import mosaic._eval.run as run_mod
 
     monkeypatch.setattr(backends, "MAX_BATCH", 5)
     monkeypatch.setattr(backends, "MIN_BATCH", 1)
@@ -405,7 +405,7 @@ def test_batches_smaller_than_a_window_give_the_whole_windows_numbers(models: di
 
 def test_the_llama_cpp_python_binding_gives_the_same_panel(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a user has llama-cpp-python (it compiles llama.cpp, so `make test` does not install it)."""
-    from mosaic.eval.runtime import available
+    from mosaic._eval.runtime import available
 
     if "llama-cpp-python" not in available():
         pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python compiles llama.cpp); "

@@ -34,11 +34,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mosaic.build import run as build_mod
-from mosaic.build import splice as splice_mod
-from mosaic.build.run import PARTIAL_TAG, build
+from mosaic._build import run as build_mod
+from mosaic._build import splice as splice_mod
+from mosaic._build.run import PARTIAL_TAG, build
 from mosaic.cli.commands import main
-from mosaic.testing import every_group_geometry, write_checkpoint
+from mosaic.testing.exl3 import every_group_geometry, write_checkpoint
 from tests.conftest import run_cli
 
 from .conftest import tree_digest
@@ -161,7 +161,7 @@ def test_source_changed_during_build(world: dict, tmp_path: Path, monkeypatch: p
     idx = json.loads((donor / "model.safetensors.index.json").read_text())
     name = "model.layers.3.mlp.experts.2.down_proj.trellis"
     shard = donor / idx["weight_map"][name]
-    from mosaic.formats.safetensors_reader import read_header
+    from mosaic._formats.safetensors_reader import read_header
 
     a, _ = read_header(shard).file_range(name)
     real = splice_mod.write_shard

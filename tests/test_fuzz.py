@@ -1,6 +1,6 @@
 """Hostile input: every reader of data that comes from a file, fuzzed through the path a user hits.
 
-Each input ends in a correct result or a clean :class:`~mosaic.errors.MosaicError`: on the command
+Each input ends in a correct result or a clean :class:`~mosaic._base.errors.MosaicError`: on the command
 line exit 0/1 (a report) or 2 with one ``mosaic: error:`` line, never a traceback, a hang or a memory
 blow-up; and no name taken from a file makes mosaic read outside the folder. Example counts come
 from ``MOSAIC_FUZZ_EXAMPLES`` (default 200; ``make fuzz`` runs 20000).
@@ -56,14 +56,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import mosaic
-from mosaic.build.run import build
-from mosaic.checkpoint.census import analyze
-from mosaic.checkpoint.folder import INDEX_NAME, open_checkpoint
+from mosaic._base.errors import MosaicError, RecipeError
+from mosaic._build.run import build
+from mosaic._checkpoint.census_exl3 import analyze
+from mosaic._checkpoint.folder import INDEX_NAME, open_checkpoint
+from mosaic._provenance.records import MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME, parse_manifest
+from mosaic._recipe.document import parse_recipe
 from mosaic.cli.commands import main
-from mosaic.errors import MosaicError, RecipeError
-from mosaic.recipe import parse_recipe
-from mosaic.records import MANIFEST_NAME, PROVENANCE_NAME, RECIPE_NAME, parse_manifest
-from mosaic.testing import Geometry, write_checkpoint
+from mosaic.testing.exl3 import Geometry, write_checkpoint
 
 from .conftest import tree_digest
 
@@ -707,7 +707,7 @@ _FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
 _FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "torch", "joblib"}
 #: The one module that may import torch: the EXL3 evaluation backend runs exllamav3 on a GPU (the exl3
 #: extra). It never loads a file with torch (torch.load is still refused there, as everywhere).
-_TORCH_ALLOWED = {"eval/backends.py"}
+_TORCH_ALLOWED = {"_eval/backends.py"}
 
 
 def test_package_never_executes_or_unpickles_file_content() -> None:

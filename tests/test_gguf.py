@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mosaic.audit.gguf_folder import audit_gguf
+from mosaic._audit.gguf_folder import audit_gguf
+from mosaic._export.gguf import SourceRef, export_gguf, retiled_chunks
+from mosaic._formats.gguf_container import read_gguf
 from mosaic.cli.commands import main
-from mosaic.formats.gguf_container import read_gguf
-from mosaic.gguf.export import SourceRef, export_gguf, retiled_chunks
-from mosaic.testing import Geometry, glm_geometry, write_checkpoint
+from mosaic.testing.exl3 import Geometry, glm_geometry, write_checkpoint
 
 LLAMA = Geometry(arch="llama", experts=0, layers=2, vocab=512)
 QWEN = Geometry(arch="qwen3_moe", layers=3, dense_layers=0, experts=4, shared_experts=False, score_bias=False,
@@ -181,7 +181,7 @@ def test_retiling_moves_whole_tiles_to_row_groups(llama_src, tmp_path):
 
 
 def test_streamed_retiling_in_small_blocks_equals_whole_tensor(llama_src):
-    from mosaic.checkpoint.folder import open_checkpoint
+    from mosaic._checkpoint.folder import open_checkpoint
 
     ck = open_checkpoint(llama_src)
     name = "model.layers.0.mlp.down_proj.trellis"
@@ -381,7 +381,7 @@ def test_audit_sources_detects_a_changed_source(qwen_src, qwen_out, tmp_path):
     m = json.loads((qwen_out / "manifest.json").read_text())
     t = next(x for x in m["tensors"] if x["name"] == "blk.0.attn_q.weight")
     s = t["sources"][0]
-    from mosaic.checkpoint.folder import open_checkpoint
+    from mosaic._checkpoint.folder import open_checkpoint
 
     shard, a, _b = open_checkpoint(src).file_range(s["tensor"])
     raw = bytearray((src / shard).read_bytes())

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mosaic.audit.gguf_folder import audit_gguf
-from mosaic.build.run import build
+from mosaic._audit.gguf_folder import audit_gguf
+from mosaic._build.run import build
+from mosaic._export.gguf import export_gguf
+from mosaic._formats.gguf_container import read_gguf
 from mosaic.cli.commands import main
-from mosaic.formats.gguf_container import read_gguf
-from mosaic.gguf.export import export_gguf
-from mosaic.testing import glm53_geometry, rewrite_shard, write_checkpoint
+from mosaic.testing.exl3 import glm53_geometry, rewrite_shard, write_checkpoint
 
 from .test_build import recipe_doc, write_recipe
 from .test_gguf import gguf_tensors, retile, source_tensors, widen
@@ -264,8 +264,8 @@ def test_audit_with_sources_passes_and_rederives_value_changes(src, out, tmp_pat
 
 def test_audit_catches_a_norm_left_in_bf16(out, tmp_path) -> None:
     """The F32 rule is checked from the file alone: a norm written as BF16 fails, naming it."""
-    from mosaic.audit.gguf_folder import _dtype_rule
-    from mosaic.audit.report import AuditReport
+    from mosaic._audit.gguf_folder import _dtype_rule
+    from mosaic._audit.report import AuditReport
 
     parsed = {p.name: read_gguf(p) for p in sorted(out.glob("*.gguf"))}
     name, g = next((n, g) for n, g in parsed.items() if any(t.name == "blk.0.attn_norm.weight" for t in g.tensors))
@@ -287,8 +287,8 @@ def test_refuses_what_the_loader_cannot_load(tmp_path) -> None:
     other = write_checkpoint(tmp_path / "s2", G.with_(vision_blocks=0))
     idx = json.loads((other / "model.safetensors.index.json").read_text())["weight_map"]
     victim = f"{T}.0.self_attn.o_norm.weight"
-    from mosaic.formats.safetensors_reader import read_header
-    from mosaic.formats.safetensors_writer import OutTensor, layout_shard, write_shard
+    from mosaic._formats.safetensors_reader import read_header
+    from mosaic._formats.safetensors_writer import OutTensor, layout_shard, write_shard
 
     h = read_header(other / idx[victim])
     ts = [OutTensor(t.name, t.dtype, t.shape, t.nbytes, str(other / idx[victim]), h.data_start + t.begin) for t in h.tensors]
@@ -331,8 +331,8 @@ def test_spark_style_mosaic_exported_audited_and_a_flipped_byte_caught(tmp_path)
 def test_swiglu_clamp_and_missing_indexer_types_follow_upstream(src) -> None:
     """``swiglu_limit`` becomes one clamp per block for routed and shared experts; without ``indexer_types``
     the key is not written (the loader then takes every indexer as full)."""
-    from mosaic.formats.gguf_container import ARRAY, FLOAT32
-    from mosaic.gguf.glm5_next import metadata, read_dims
+    from mosaic._export.glm5_next import metadata, read_dims
+    from mosaic._formats.gguf_container import ARRAY, FLOAT32
 
     cfg = json.loads((src / "config.json").read_text())
     cfg["text_config"]["swiglu_limit"] = 7.0

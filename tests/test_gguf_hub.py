@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mosaic.audit.run import audit
-from mosaic.build.run import build
+from mosaic._audit.run import audit
+from mosaic._base.errors import SourceError
+from mosaic._build.run import build
+from mosaic._hub.download import select_files
 from mosaic.cli.commands import main
-from mosaic.errors import SourceError
-from mosaic.hub.fetch import select_files
-from mosaic.testing_gguf import write_llama_gguf
+from mosaic.testing.gguf import write_llama_gguf
 
 from .fakehub import FakeHub
 from .test_hub import files_of, hub, offline  # noqa: F401  (fixtures)
@@ -62,7 +62,7 @@ def test_fetch_downloads_only_the_selected_quantizations_then_builds_offline(
     assert not any("Q5_0" in p or "README" in p for p in got)
     offline()
     n = len(hub.log)
-    import mosaic.build.gguf_write as gw
+    import mosaic._build.gguf_write as gw
 
     whole: list[Path] = []
     real = gw.digest_file
@@ -103,7 +103,7 @@ def _served(fake: FakeHub, repo: str) -> dict[str, int]:
 @pytest.fixture
 def big_vocab_repo(hub: FakeHub, tmp_path: Path) -> tuple[str, Path]:  # noqa: F811
     """A model whose header is several MB (a 150,000-token vocabulary): read as the parse asks for it."""
-    from mosaic.testing_gguf import Geometry
+    from mosaic.testing.gguf import Geometry
 
     src = tmp_path / "big"
     geo = Geometry(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=32, n_vocab=150_000)
@@ -113,7 +113,7 @@ def big_vocab_repo(hub: FakeHub, tmp_path: Path) -> tuple[str, Path]:  # noqa: F
 
 
 def test_census_of_a_gguf_hub_source_reads_its_header_only(hub: FakeHub, big_vocab_repo: tuple[str, Path]) -> None:  # noqa: F811
-    from mosaic.formats.gguf_container import read_gguf
+    from mosaic._formats.gguf_container import read_gguf
 
     sha, src = big_vocab_repo
     header = read_gguf(src / "big-Q4_0.gguf").data_start
@@ -133,7 +133,7 @@ def test_census_of_a_gguf_hub_source_reads_its_header_only(hub: FakeHub, big_voc
 
 def test_plan_of_gguf_hub_sources_reads_headers_only_and_equals_the_local_plan(hub: FakeHub, gguf_repo: str,  # noqa: F811
                                                                                tmp_path: Path) -> None:
-    from mosaic.formats.gguf_container import read_gguf
+    from mosaic._formats.gguf_container import read_gguf
 
     scores = tmp_path / "scores.json"
     scores.write_text(json.dumps({"higher_is_better": True, "scores": {"0": 0.1, "1": 0.9, "2": 0.5, "3": 0.2}}))
@@ -172,8 +172,8 @@ def _stream_recipe(tmp_path: Path, sha: str) -> Path:
 def test_streamed_build_reads_only_what_it_takes_and_equals_a_build_from_fetched_files(
     hub: FakeHub, gguf_repo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
-    import mosaic.hub.partial as partial
-    from mosaic.checkpoint.gguf_model import open_gguf_model
+    import mosaic._hub.partial as partial
+    from mosaic._checkpoint.gguf_model import open_gguf_model
 
     monkeypatch.setattr(partial, "GGUF_FIRST_READ", 4096)  # these headers are small: read them, not the files
     monkeypatch.setenv("MOSAIC_NO_DIGEST_CACHE", "1")
@@ -212,7 +212,7 @@ def test_streamed_build_reads_only_what_it_takes_and_equals_a_build_from_fetched
 
 def test_a_streamed_gguf_build_resumes_a_dropped_connection(hub: FakeHub, gguf_repo: str, tmp_path: Path,  # noqa: F811
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import mosaic.hub.partial as partial
+    import mosaic._hub.partial as partial
 
     monkeypatch.setattr(partial, "GGUF_FIRST_READ", 4096)
     hub.drop[(REPO, "tiny-Q4_0.gguf")] = 2
@@ -234,9 +234,9 @@ def _same_folder(a: Path, b: Path) -> None:
 def published_gguf_mosaic(hub: FakeHub, gguf_repo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str]:  # noqa: F811
     """A GGUF mosaic of the hub's quantizations built by an older mosaic (version 0.0.9), published whole."""
     import mosaic
-    import mosaic.build.gguf_plan as gp
-    import mosaic.build.gguf_write as gw
-    from mosaic.publish import publish
+    import mosaic._build.gguf_plan as gp
+    import mosaic._build.gguf_write as gw
+    from mosaic._release.publishing import publish
 
     monkeypatch.setattr(gp, "__version__", "0.0.9")
     monkeypatch.setattr(gw, "__version__", "0.0.9")
@@ -262,7 +262,7 @@ def test_rebuild_of_a_gguf_mosaic_is_byte_identical_and_reads_no_published_gguf(
 
 def test_publish_recipe_only_of_a_gguf_mosaic_then_rebuild(hub: FakeHub, published_gguf_mosaic: tuple[Path, str],  # noqa: F811
                                                            tmp_path: Path) -> None:
-    from mosaic.publish import publish
+    from mosaic._release.publishing import publish
 
     out, _ = published_gguf_mosaic
     res = publish(out, "test-org/gguf-recipe-only", recipe_only=True)
@@ -292,9 +292,9 @@ def test_rebuild_catches_a_corrupted_gguf_range_names_the_tensor_and_keeps_nothi
 ) -> None:
     """A range read in part cannot be checked against the hub's file digest: the rebuild's check of every
     tensor against the published PROVENANCE.json catches it (a file read whole is caught by its digest)."""
-    import mosaic.hub.partial as partial
-    from mosaic.checkpoint.gguf_model import open_gguf_model
-    from mosaic.hub.partial import ranges_root
+    import mosaic._hub.partial as partial
+    from mosaic._checkpoint.gguf_model import open_gguf_model
+    from mosaic._hub.partial import ranges_root
 
     monkeypatch.setattr(partial, "GGUF_FIRST_READ", 4096)  # the base's header only, then its ranges
 

@@ -19,13 +19,13 @@ import pytest
 from click.testing import CliRunner
 from gguf import GGUFReader
 
-from mosaic.audit.run import audit
-from mosaic.build.gguf_plan import check_same_model
-from mosaic.build.run import build
-from mosaic.checkpoint.gguf_model import open_gguf_model
+from mosaic._audit.run import audit
+from mosaic._base.errors import MosaicError, RecipeError, SourceError
+from mosaic._build.gguf_plan import check_same_model
+from mosaic._build.run import build
+from mosaic._checkpoint.gguf_model import open_gguf_model
 from mosaic.cli.commands import main
-from mosaic.errors import MosaicError, RecipeError, SourceError
-from mosaic.testing_gguf import Geometry, assemble_with_ggufpy, write_llama_gguf
+from mosaic.testing.gguf import Geometry, assemble_with_ggufpy, write_llama_gguf
 from tests.conftest import run_cli, tree_digest
 
 MOE = Geometry(n_layer=4, n_expert=4, n_expert_used=2)
@@ -518,7 +518,7 @@ def _resign_manifest(folder: Path) -> None:
     """A forger's step: the manifest made to agree with edited files, so only the deeper checks can object."""
     import hashlib
 
-    from mosaic.records import FileRecord, manifest
+    from mosaic._provenance.records import FileRecord, manifest
 
     recs = [FileRecord(p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
             for p in folder.iterdir() if p.name != "sha256-manifest.txt"]
@@ -546,7 +546,7 @@ def test_provenance_with_a_repeated_key_a_repeated_tensor_or_a_failed_check_fail
 
 def test_rates_compare_like_with_like_and_are_audited(built: Path, tmp_path: Path, models: Path) -> None:
     """Each of the mosaic's rates has the base's beside it over the same tensors; the audit derives them again."""
-    from mosaic.gguf_card import render_gguf_card
+    from mosaic._provenance.gguf_card import render_gguf_card
 
     doc = json.loads((built / "PROVENANCE.json").read_text())
     rate = doc["rate"]

@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mosaic.build.run import build
-from mosaic.testing_gguf import N_VOCAB, Geometry, assemble_with_ggufpy, write_llama_gguf
+from mosaic._build.run import build
+from mosaic.testing.gguf import N_VOCAB, Geometry, assemble_with_ggufpy, write_llama_gguf
 
 PROMPT = [1, 260, 75, 104, 111, 111, 114, 266, 263, 47, 270, 36]  # <s>, word pieces and byte tokens (all < N_VOCAB)
 
 
 def _runtime():  # type: ignore[no-untyped-def]
-    from mosaic.eval.runtime import available, get_runtime
+    from mosaic._eval.runtime import available, get_runtime
 
     if not available():
         reason = "no llama.cpp runtime is installed; `make test` installs the runtime extra (pip install -e '.[runtime]')"

@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mosaic.audit.gguf_folder import audit_gguf
+from mosaic._audit.gguf_folder import audit_gguf
+from mosaic._export.gguf import export_gguf
+from mosaic._export.vocab import PRE_TOKENIZERS, VocabError, convert_vocab, llamacpp_regex
+from mosaic._formats.gguf_container import KV, layout, read_gguf
 from mosaic.cli.commands import main
-from mosaic.formats.gguf_container import KV, layout, read_gguf
-from mosaic.gguf.export import export_gguf
-from mosaic.gguf.vocab import PRE_TOKENIZERS, VocabError, convert_vocab, llamacpp_regex
-from mosaic.testing import LLAMA3_REGEX, QWEN2_REGEX, Geometry, write_checkpoint
+from mosaic.testing.exl3 import LLAMA3_REGEX, QWEN2_REGEX, Geometry, write_checkpoint
 
 LLAMA = Geometry(arch="llama", experts=0, layers=1, vocab=512)
 QWEN = Geometry(arch="qwen3_moe", layers=1, dense_layers=0, experts=2, shared_experts=False, score_bias=False,
                 vocab=512, seed=5)
 
-# The synthetic tokenizers, spelled out here rather than taken from mosaic.testing.
+# The synthetic tokenizers, spelled out here rather than taken from mosaic.testing.exl3.
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s"]
 MERGED = ["Ġt", "he", "Ġthe", "in", "Ġa", "er", "on", "Ġs"]  # ids 256..263
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mosaic.audit.run import audit
-from mosaic.build.run import build
-from mosaic.checkpoint.census import analyze, census_report
-from mosaic.checkpoint.folder import open_checkpoint
-from mosaic.testing import glm53_geometry, write_checkpoint
+from mosaic._audit.run import audit
+from mosaic._build.run import build
+from mosaic._checkpoint.census_exl3 import analyze, census_report
+from mosaic._checkpoint.folder import open_checkpoint
+from mosaic.testing.exl3 import glm53_geometry, write_checkpoint
 
 from .test_build import recipe_doc, write_recipe
 
@@ -39,7 +39,7 @@ def _kind_counts(names: list[str]) -> Counter[str]:
 def test_full_size_tensor_count_and_composition() -> None:
     """The text part has the real model's tensor count, computed here from the model's description
     (shared/reference/glm53-spark.md), not from the generator."""
-    from mosaic.testing import _units
+    from mosaic.testing.exl3 import _units
 
     g = glm53_geometry(vision_blocks=0)
     names = [t.name for u in _units(g) for t in u]
@@ -125,7 +125,7 @@ def test_mtp_and_vision_selections_keep_loadability(sources, tmp_path: Path) -> 
 def test_plan_on_glm53_predicts_the_built_size(sources, tmp_path: Path) -> None:
     """mosaic plan over GLM-5.3's MoE layers (the MTP layer is a unit too): the chosen 12 layers' size,
     predicted before building, is what the build writes."""
-    from mosaic.plan.planner import PlanRequest, plan_mosaic
+    from mosaic._plan.planner import PlanRequest, plan_mosaic
 
     base, donor = sources
     scores = tmp_path / "scores.json"

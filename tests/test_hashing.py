@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mosaic.hashing import digest_file
+from mosaic._base.hashing import digest_file
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
@@ -51,7 +51,7 @@ def test_freed_buffers_go_back_to_the_system_where_the_allocator_allows() -> Non
     import platform
     import sys
 
-    from mosaic.hashing import return_freed_buffers
+    from mosaic._base.hashing import return_freed_buffers
 
     if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
         assert return_freed_buffers() is True
@@ -64,7 +64,7 @@ def test_scratch_buffers_are_reused_per_thread_and_purpose() -> None:
     threads or with the copy buffer of the same thread."""
     import threading
 
-    from mosaic.hashing import scratch
+    from mosaic._base.hashing import scratch
 
     ring = scratch("ring", 3, 1024)
     assert [id(b) for b in scratch("ring", 3, 1024)] == [id(b) for b in ring]
@@ -83,7 +83,7 @@ def test_scratch_buffers_are_reused_per_thread_and_purpose() -> None:
 def test_compared_with_another_file_byte_for_byte(tmp_path: Path, chunk: int, piece: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``same_as``: equal only when every byte and the length agree, wherever they differ (the
     other file read in pieces smaller or larger than the chunks)."""
-    from mosaic import hashing
+    from mosaic._base import hashing
 
     monkeypatch.setattr(hashing, "COMPARE_PIECE", piece)
     data = bytes(range(256)) * 40 + b"tail"

@@ -20,17 +20,17 @@ import yaml
 from click.testing import CliRunner
 from huggingface_hub import ModelCard
 
-from mosaic import __version__
-from mosaic.audit.run import audit
-from mosaic.build.run import build
+from mosaic._audit.run import audit
+from mosaic._base.errors import RecipeError, SourceError, VerificationError
+from mosaic._base.version import __version__
+from mosaic._build.run import build
+from mosaic._hub.download import fetch, fetch_snapshot
+from mosaic._hub.snapshot import cache_snapshot_folder, record_path, resolve_snapshot, verified_digests
+from mosaic._provenance.signature import load_trust
+from mosaic._release.publishing import PublishError, compare_with_hub, publish, upload_plan
+from mosaic._sources.resolve import hub_snapshot
 from mosaic.cli.commands import main
-from mosaic.errors import RecipeError, SourceError, VerificationError
-from mosaic.hub.fetch import fetch, fetch_snapshot
-from mosaic.hub.snapshot import cache_snapshot_folder, record_path, resolve_snapshot, verified_digests
-from mosaic.publish import PublishError, compare_with_hub, publish, upload_plan
-from mosaic.signature import load_trust
-from mosaic.sources import hub_snapshot
-from mosaic.testing import every_group_geometry
+from mosaic.testing.exl3 import every_group_geometry
 
 from .fakehub import FakeHub
 
@@ -424,7 +424,7 @@ def test_publish_uploads_the_signature_and_a_download_verifies(hub: FakeHub, mos
 
 
 def test_compare_with_hub_checks_every_file(mosaic_dir: Path) -> None:
-    from mosaic.hub.snapshot import HubFile, digest_local
+    from mosaic._hub.snapshot import HubFile, digest_local
 
     items, _ = upload_plan(mosaic_dir)
     remote = {}

@@ -1,7 +1,8 @@
 """The package's layering, read from the source: every import (top-level or inside a function), no cycles.
 
 The wings and what each may import are the table in docs/ARCHITECTURE.md; this test is that table.
-A wing is a subpackage of ``mosaic`` (``mosaic/build/``) or a top-level module (``mosaic/recipe.py``).
+A wing is a subpackage of ``mosaic`` (``mosaic/_build/``); the package root (``mosaic/__init__.py``, the public API)
+counts as the wing ``mosaic``.
 """
 
 from __future__ import annotations
@@ -15,52 +16,42 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "mosaic"
 
 #: The floor every wing stands on: errors, fault points, hashing, progress reporting, safe text, the version.
-BASE = {"mosaic", "errors", "faults", "hashing", "progress", "literal"}
+BASE = {"_base"}
 
-#: What each wing may import besides itself and BASE. Everything not listed is forbidden.
+#: What each wing may import besides itself and BASE. Everything not listed is forbidden; no wing imports the
+#: package root (``mosaic``), which imports only the base.
 ALLOWED: dict[str, set[str]] = {
     "mosaic": set(),
-    "errors": set(),
-    "faults": set(),
-    "literal": set(),
-    "progress": {"literal"},
-    "hashing": {"faults"},
-    "records": set(),
-    "formats": set(),
-    "checkpoint": {"formats"},
-    "recipe": set(),
-    "hub": {"formats", "recipe", "records"},
-    "sources": {"recipe", "hub"},
-    "card": {"checkpoint", "recipe", "records"},
-    "gguf_sources": {"formats", "checkpoint", "recipe", "hub"},
-    "gguf_select": {"checkpoint", "recipe"},
-    "gguf_card": {"recipe"},
-    "build": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records", "gguf_sources", "gguf_select",
-              "gguf_card"},
-    "gguf": {"formats", "checkpoint"},
-    "signature": {"records"},
-    "audit": {"formats", "checkpoint", "recipe", "sources", "card", "records", "gguf", "signature", "gguf_sources",
-              "gguf_select", "gguf_card"},
-    "plan": {"formats", "checkpoint", "recipe", "sources", "build", "gguf_sources", "gguf_select"},
-    "sign": {"audit", "records", "signature"},
-    "publish": {"audit", "hub", "records", "signature"},
-    "rebuild": {"build", "formats", "hub", "recipe", "records"},
-    "eval": {"formats", "checkpoint"},
-    "measure": {"formats", "checkpoint", "recipe", "hub", "build", "eval", "gguf_sources", "gguf_select", "plan"},
-    "cli": {"formats", "checkpoint", "recipe", "sources", "hub", "card", "records", "build", "gguf", "audit",
-            "plan", "signature", "sign", "publish", "rebuild", "gguf_sources", "gguf_select", "eval", "measure"},
-    "testing": {"formats", "checkpoint"},
-    "testing_gguf": {"formats", "eval"},
-    "demo": {"cli", "testing", "recipe"},
+    "_base": set(),
+    "_formats": set(),
+    "_checkpoint": {"_formats"},
+    "_recipe": {"_checkpoint"},
+    "_provenance": {"_checkpoint", "_recipe"},
+    "_hub": {"_formats", "_recipe"},
+    "_sources": {"_formats", "_checkpoint", "_recipe", "_hub"},
+    "_build": {"_formats", "_checkpoint", "_recipe", "_provenance", "_hub", "_sources"},
+    "_export": {"_formats", "_checkpoint"},
+    "_audit": {"_formats", "_checkpoint", "_recipe", "_provenance", "_sources", "_export"},
+    "_release": {"_formats", "_recipe", "_provenance", "_hub", "_build", "_audit"},
+    "_plan": {"_formats", "_checkpoint", "_recipe", "_sources", "_build"},
+    "_eval": {"_formats", "_checkpoint"},
+    "_measure": {"_formats", "_checkpoint", "_hub", "_sources", "_build", "_plan", "_eval"},
+    "cli": {"_formats", "_checkpoint", "_recipe", "_provenance", "_hub", "_sources", "_build", "_export", "_audit",
+            "_release", "_plan", "_eval", "_measure", "testing"},
+    "testing": {"_formats", "_checkpoint", "_eval"},
 }
 
 #: Module-level rules finer than the wings: the audit re-converts the tokenizer with the vocabulary
-#: converter but never borrows the exporter, and the base floor stays below the formats.
+#: converter but never borrows the exporter; the base's own modules stand on each other only as listed.
 FORBIDDEN_MODULES = {
-    "audit": {"mosaic.gguf.export", "mosaic.gguf.glm5_next", "mosaic.gguf.tensors", "mosaic.gguf.ranma_names"},
+    "_audit": {"mosaic._export.gguf", "mosaic._export.glm5_next", "mosaic._export.tensors",
+               "mosaic._export.ranma_names"},
 }
-_BASE_ALLOWED = {"mosaic": set(), "errors": set(), "faults": set(), "literal": set(), "progress": {"literal"},
-                 "hashing": {"faults"}}
+BASE_MODULES: dict[str, set[str]] = {
+    "mosaic._base": set(), "mosaic._base.errors": set(), "mosaic._base.faults": set(), "mosaic._base.literal": set(),
+    "mosaic._base.version": set(), "mosaic._base.progress": {"mosaic._base.literal"},
+    "mosaic._base.hashing": {"mosaic._base.faults"},
+}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -155,13 +146,15 @@ def forbidden_edges(graph: Mapping[str, Iterable[str]]) -> list[str]:
         if w not in ALLOWED:
             bad.append(f"{m}: wing {w!r} is not in the layering table")
             continue
-        allowed = _BASE_ALLOWED[w] if w in _BASE_ALLOWED else ALLOWED[w] | BASE
+        allowed = ALLOWED[w] | (BASE if w != "_base" else set())
         for d in sorted(deps):
             dw = wing(d)
             if dw != w and dw not in allowed:
                 bad.append(f"{m} imports {d} ({w} -> {dw})")
             if d in FORBIDDEN_MODULES.get(w, ()):
                 bad.append(f"{m} imports {d} (forbidden to {w})")
+            if w == "_base" and dw == w and d != "mosaic._base" and d not in BASE_MODULES.get(m, set()):
+                bad.append(f"{m} imports {d} (the base's modules stand apart)")
     return bad
 
 
@@ -189,9 +182,9 @@ def test_every_wing_is_in_the_table_and_the_table_has_no_stale_wing() -> None:
 def test_the_graph_sees_imports_inside_functions() -> None:
     """publish's audit import and the CLI's lazy imports are inside functions or at the top: both count."""
     g = import_graph()
-    assert "mosaic.audit.run" in g["mosaic.publish"]
-    assert "mosaic.build.run" in g["mosaic.cli.commands"]  # imported inside the build command
-    assert "mosaic.hub.snapshot" in g["mosaic.sources"]  # imported inside hub_snapshot()
+    assert "mosaic._audit.run" in g["mosaic._release.publishing"]
+    assert "mosaic._build.run" in g["mosaic.cli.commands"]  # imported inside the build command
+    assert "mosaic._hub.snapshot" in g["mosaic._sources.resolve"]  # imported inside hub_snapshot()
 
 
 # --- the checker itself can fail -----------------------------------------------------------------------
@@ -199,31 +192,37 @@ def test_the_graph_sees_imports_inside_functions() -> None:
 
 def test_checker_finds_a_cycle_through_a_function_level_import(tmp_path: Path) -> None:
     pkg = tmp_path / "mosaic"
-    (pkg / "audit").mkdir(parents=True)
+    for sub in ("_audit", "_sources", "_release"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "audit" / "__init__.py").write_text("")
-    (pkg / "audit" / "run.py").write_text("from mosaic.sources import resolve\n")
-    (pkg / "sources.py").write_text("def resolve():\n    from mosaic.publish import go\n")
-    (pkg / "publish.py").write_text("def go():\n    from .audit import run\n")
+    (pkg / "_audit" / "run.py").write_text("from mosaic._sources.resolve import resolve\n")
+    (pkg / "_sources" / "resolve.py").write_text("def resolve():\n    from mosaic._release.publishing import go\n")
+    (pkg / "_release" / "publishing.py").write_text("def go():\n    from .._audit import run\n")
     g = import_graph(pkg)
-    assert g["mosaic.publish"] == {"mosaic.audit", "mosaic.audit.run"}
+    assert g["mosaic._release.publishing"] == {"mosaic._audit", "mosaic._audit.run"}
     cycle = find_cycle(g)
     assert cycle is not None and cycle[0] == cycle[-1]
-    assert set(cycle) == {"mosaic.audit.run", "mosaic.sources", "mosaic.publish"}
+    assert set(cycle) == {"mosaic._audit.run", "mosaic._sources.resolve", "mosaic._release.publishing"}
     assert find_cycle(wing_graph(g)) is not None
 
 
 @pytest.mark.parametrize(
     ("module", "dep", "ok"),
     [
-        ("mosaic.formats.gguf_container", "mosaic.checkpoint.folder", False),  # formats import nothing above
-        ("mosaic.audit.mosaic_folder", "mosaic.build.layout", False),  # the audit never trusts the layout
-        ("mosaic.audit.gguf_folder", "mosaic.gguf.export", False),
-        ("mosaic.audit.gguf_folder", "mosaic.gguf.vocab", True),
-        ("mosaic.build.run", "mosaic.plan.planner", False),
-        ("mosaic.hub.fetch", "mosaic.audit.run", False),
-        ("mosaic.errors", "mosaic.formats.safetensors_reader", False),
-        ("mosaic.plan.planner", "mosaic.build.layout", True),
+        ("mosaic._formats.gguf_container", "mosaic._checkpoint.folder", False),  # formats import nothing above
+        ("mosaic._audit.mosaic_folder", "mosaic._build.layout", False),  # the audit never trusts the layout
+        ("mosaic._audit.gguf_folder", "mosaic._export.gguf", False),
+        ("mosaic._audit.gguf_folder", "mosaic._export.vocab", True),
+        ("mosaic._build.run", "mosaic._plan.planner", False),
+        ("mosaic._hub.download", "mosaic._audit.run", False),
+        ("mosaic._base.errors", "mosaic._formats.safetensors_reader", False),
+        ("mosaic._plan.planner", "mosaic._build.layout", True),
+        ("mosaic._build.run", "mosaic", False),  # nothing imports the root
+        ("mosaic.cli.demo", "mosaic.testing.exl3", True),
+        ("mosaic", "mosaic._build.run", False),  # the root imports only the base
+        ("mosaic._base.errors", "mosaic._base.hashing", False),
+        ("mosaic._base.hashing", "mosaic._base.faults", True),
     ],
 )
 def test_checker_judges_edges(module: str, dep: str, ok: bool) -> None:

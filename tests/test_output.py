@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
+from mosaic._base.literal import markup_literal, printable
 from mosaic.cli import render
 from mosaic.cli.commands import main
-from mosaic.literal import markup_literal, printable
 
 from .test_audit import SPLICED, built, flip, mosaic, tensor_pos  # noqa: F401  (fixtures)
 
@@ -160,7 +160,7 @@ def test_plan_hint_is_one_line_when_piped() -> None:
 
 
 def test_progress_descriptions_are_literal(capsys: pytest.CaptureFixture[str]) -> None:
-    from mosaic.progress import reporter
+    from mosaic._base.progress import reporter
 
     name = "[bold]3[/bold][m.x]:smile:"
     with reporter(True) as rep:

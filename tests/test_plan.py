@@ -12,17 +12,17 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from mosaic.build.run import build
-from mosaic.checkpoint.census import analyze
-from mosaic.checkpoint.folder import open_checkpoint
+from mosaic._base.errors import MosaicError
+from mosaic._build.run import build
+from mosaic._checkpoint.census_exl3 import analyze
+from mosaic._checkpoint.folder import open_checkpoint
+from mosaic._plan.costs import SizeModel, bit_weight_deltas
+from mosaic._plan.planner import PlanRequest, parse_size, plan_mosaic
+from mosaic._plan.scores import ScoresError
+from mosaic._plan.solver import Option, choose_count, solve_knapsack, solve_pareto
+from mosaic._plan.units import PlanError, find_units
 from mosaic.cli.commands import main
-from mosaic.errors import MosaicError
-from mosaic.plan.costs import SizeModel, bit_weight_deltas
-from mosaic.plan.planner import PlanRequest, parse_size, plan_mosaic
-from mosaic.plan.scores import ScoresError
-from mosaic.plan.solver import Option, choose_count, solve_knapsack, solve_pareto
-from mosaic.plan.units import PlanError, find_units
-from mosaic.testing import every_group_geometry
+from mosaic.testing.exl3 import every_group_geometry
 
 BASE = every_group_geometry(bits=2, seed=1)  # exllamav3-style headers: unpadded, so a rewrite grows them
 DONOR3 = every_group_geometry(bits=3, head_bits=8, seed=2, style="library", shard_size=1 << 20)
@@ -197,7 +197,7 @@ def test_predicted_size_equals_built_size(srcs, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("base_is_library", [False, True])
 def test_size_model_counts_header_bytes_as_the_writer_writes_them(srcs, base_is_library: bool) -> None:
-    from mosaic.formats.safetensors_writer import encode_header
+    from mosaic._formats.safetensors_writer import encode_header
 
     base, d3, d4 = srcs
     if base_is_library:  # padded headers with __metadata__
@@ -223,7 +223,7 @@ def test_size_model_counts_header_bytes_as_the_writer_writes_them(srcs, base_is_
 def test_header_lower_bound_is_the_writers_header_at_the_smallest_shapes(srcs, base_is_library: bool) -> None:
     """The solver's bound on header growth, counted without encoding, equals the header the writer
     writes with every tensor at its shortest shape and smallest size among the sources."""
-    from mosaic.formats.safetensors_writer import encode_header
+    from mosaic._formats.safetensors_writer import encode_header
 
     base, d3, d4 = srcs
     if base_is_library:
@@ -433,8 +433,8 @@ def test_header_size_counts_escaped_and_non_ascii_names_as_the_writer_writes_the
     length is the writer's, byte for byte, with and without __metadata__."""
     from types import SimpleNamespace
 
-    from mosaic.formats.safetensors_reader import ShardHeader, TensorInfo
-    from mosaic.formats.safetensors_writer import encode_header
+    from mosaic._formats.safetensors_reader import ShardHeader, TensorInfo
+    from mosaic._formats.safetensors_writer import encode_header
 
     for names in (["a.b", "c.d"], ['q"uote', "back\\slash", "tab\there", "é.ü", "ctl\x01"]):
         for metadata in (None, {"format": "pt", "k:é": "v\"x"}):

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mosaic.checkpoint.jsonfile import parse_json
-from mosaic.checkpoint.qconfig import QConfigRead, prove_spans, read_qconfig, summarize
-from mosaic.errors import CheckpointError, FormatError
-from mosaic.formats.safetensors_reader import TensorInfo
+from mosaic._base.errors import CheckpointError, FormatError
+from mosaic._checkpoint.jsonfile import parse_json
+from mosaic._checkpoint.qconfig import QConfigRead, prove_spans, read_qconfig, summarize
+from mosaic._formats.safetensors_reader import TensorInfo
 
 EXAMPLES = int(os.environ.get("MOSAIC_FUZZ_EXAMPLES", "300"))
 INFO = {
@@ -171,7 +171,7 @@ def test_the_proof_needs_every_entry_in_tensor_storage() -> None:
     junk=st.sampled_from([b"", b"\n        }", b'\n        "k": {\n', b"\n        },", b'\n        "\xff": {\n']),
 )
 def test_entry_spans_found_at_c_speed_are_the_line_scan_s(storage, top, cut, junk) -> None:  # type: ignore[no-untyped-def]
-    from mosaic.checkpoint.qconfig import _entry_span_scan, entry_span_list
+    from mosaic._checkpoint.qconfig import _entry_span_scan, entry_span_list
 
     text = json.dumps({**top, "tensor_storage": storage}, indent=4).encode()
     at = min(cut, len(text))
@@ -185,7 +185,7 @@ def _stored(names: list[str], shape: list[int], dtype: str = "torch.int16") -> d
 
 def test_entries_alike_but_for_their_key_are_parsed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """exllamav3's entries differ in key and shapes only: one parse per shape, not per entry."""
-    import mosaic.checkpoint.qconfig as q
+    import mosaic._checkpoint.qconfig as q
 
     keys = [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(3) for e in range(20) for p in ("up_proj", "down_proj")]
     info = {f"{k}.{s}": TensorInfo(f"{k}.{s}", "I16", (8 if "up" in k else 4,), 0, 16 if "up" in k else 8) for k in keys for s in ("trellis", "suh")}

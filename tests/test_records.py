@@ -8,7 +8,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mosaic.records import _surely_valid_tensor, _validator, dumps, schema
+from mosaic._provenance.records import _surely_valid_tensor, _validator, dumps, schema
 
 EXAMPLES = int(os.environ.get("MOSAIC_FUZZ_EXAMPLES", "300"))
 _text = st.text(max_size=12)
@@ -73,14 +73,14 @@ _ORDER = ("name", "file", "dtype", "shape", "nbytes", "sha256", "source")
 @given(ts=st.lists(_tensor, max_size=4))
 def test_column_check_accepts_a_list_only_when_every_item_passes(ts: list) -> None:
     """The column-by-column check is the item check over a whole list, never more lenient."""
-    from mosaic.records import _surely_valid_tensors
+    from mosaic._provenance.records import _surely_valid_tensors
 
     if _surely_valid_tensors(ts):
         assert all(_surely_valid_tensor(t) for t in ts)
 
 
 def test_column_check_refuses_each_kind_of_bad_record() -> None:
-    from mosaic.records import _surely_valid_tensors, validation_errors
+    from mosaic._provenance.records import _surely_valid_tensors, validation_errors
 
     good = {"name": "a.weight", "file": "model.safetensors", "dtype": "F16", "shape": [2, 3], "nbytes": 12, "sha256": "0" * 64, "source": "base"}
     assert _surely_valid_tensors([good, {**good, "name": "b"}])
@@ -113,7 +113,7 @@ _plain = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_si
 def test_fast_tensor_lines_are_the_encoders_bytes(ts: list, shuffle: bool) -> None:
     """The f-string lines of ``tensors`` are byte for byte what the generic encoder writes (escapes,
     non-ASCII, booleans and floats included: those records take the encoder)."""
-    from mosaic.records import _ENCODER, _dump_list
+    from mosaic._provenance.records import _ENCODER, _dump_list
 
     if shuffle:
         ts = [dict(reversed(t.items())) for t in ts]
@@ -144,7 +144,7 @@ def test_dumps_layout_is_pinned() -> None:
 def test_columns_read_write_and_validate_as_the_records_they_hold(ts: list) -> None:
     """The build's tensor records as columns: the same JSON bytes, the same schema verdicts, and
     equal to the list of dicts a reader parses back, whatever the values."""
-    from mosaic.records import TensorColumns, validation_errors
+    from mosaic._provenance.records import TensorColumns, validation_errors
 
     plain = [{k: t[k] for k in _ORDER} for t in ts]
     cols = TensorColumns(**{k: [tuple(t[k]) if k == "shape" and isinstance(t[k], list) else t[k] for t in plain]
@@ -158,7 +158,7 @@ def test_columns_read_write_and_validate_as_the_records_they_hold(ts: list) -> N
 
 def test_columns_of_a_real_shape_stream_in_chunks(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Many records: written a chunk at a time, byte-identical to the whole-list encoding."""
-    import mosaic.records as records
+    import mosaic._provenance.records as records
 
     monkeypatch.setattr(records, "_ROWS_PER_CHUNK", 3)
     n = 10
@@ -178,7 +178,7 @@ def test_parsed_records_as_columns_read_and_validate_as_themselves(ts: list, shu
     """An audit turns the parsed records into columns when each is a dict of exactly the seven
     fields with a list shape: they then read back as the very dicts, with the same schema
     verdicts; anything else (an extra field, a shape that is not a list) stays as it is."""
-    from mosaic.records import as_columns, validation_errors
+    from mosaic._provenance.records import as_columns, validation_errors
 
     parsed = json.loads(json.dumps([dict(reversed(t.items())) if shuffle else t for t in ts]))
     cols = as_columns(parsed)

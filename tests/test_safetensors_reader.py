@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from mosaic.errors import SafetensorsError
-from mosaic.formats.safetensors_reader import (
+from mosaic._base.errors import SafetensorsError
+from mosaic._formats.safetensors_reader import (
     MAX_HEADER_SIZE,
     DuplicateKey,
     parse_header,
@@ -268,7 +268,7 @@ def test_fast_json_keeps_huge_integers_exact() -> None:
 def test_plain_documents_take_the_fast_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A header or document without escapes or duplicates never needs the slow parser (the speed the
     bench measures depends on it); one with a duplicate always gets it, to name the key."""
-    import mosaic.formats.safetensors_reader as reader
+    import mosaic._formats.safetensors_reader as reader
 
     calls: list[str] = []
     slow = reader.strict_json_loads
@@ -295,7 +295,7 @@ def test_plain_documents_take_the_fast_path(tmp_path: Path, monkeypatch: pytest.
     ],
 )
 def test_long_integers_are_found_outside_strings(text: bytes, slow: bool) -> None:
-    from mosaic.formats.safetensors_reader import _has_long_integer
+    from mosaic._formats.safetensors_reader import _has_long_integer
 
     assert _has_long_integer(text) is slow
     assert strict_json_loadb(text) == strict_json_loads(text.decode())
@@ -318,7 +318,7 @@ def test_fast_json_edges_match_the_strict_parse(raw: bytes) -> None:
 
 @pytest.mark.parametrize("literal", ["1e400", "-1e400", "1.5e309"])
 def test_a_float_literal_that_overflows_is_refused_like_infinity(literal: str) -> None:
-    from mosaic.formats.safetensors_reader import strict_json_loadb, strict_json_loads
+    from mosaic._formats.safetensors_reader import strict_json_loadb, strict_json_loads
 
     for parse in (strict_json_loads, lambda t: strict_json_loadb(t.encode())):
         with pytest.raises(ValueError, match="overflows"):
@@ -347,7 +347,7 @@ _entry_values = st.fixed_dictionaries(
 def test_fast_header_columns_equal_the_strict_reader(entries: list, metadata: object, data: int, tiled: bool) -> None:
     """The column-wise fast header never accepts what the rule-by-rule reader refuses, and what it
     accepts reads the same: names, dtypes, shapes, ranges, data order, metadata."""
-    import mosaic.formats.safetensors_reader as reader
+    import mosaic._formats.safetensors_reader as reader
 
     if tiled:  # mostly valid headers: offsets that tile the data exactly, from their sizes
         pos, fixed = 0, []

@@ -11,9 +11,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from mosaic.formats import safetensors_writer as sw
-from mosaic.formats.safetensors_reader import read_header
-from mosaic.formats.safetensors_writer import OutTensor, encode_header, layout_shard, write_shard
+from mosaic._formats import safetensors_writer as sw
+from mosaic._formats.safetensors_reader import read_header
+from mosaic._formats.safetensors_writer import OutTensor, encode_header, layout_shard, write_shard
 
 
 def _from_library(path: Path) -> list[OutTensor]:

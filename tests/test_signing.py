@@ -18,13 +18,11 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mosaic.audit.run import audit
-from mosaic.build.run import build
-from mosaic.cli.commands import main
-from mosaic.errors import VerificationError
-from mosaic.records import MANIFEST_NAME, PROVENANCE_NAME, SIGNATURE_NAME, parse_manifest
-from mosaic.sign import sign
-from mosaic.signature import (
+from mosaic._audit.run import audit
+from mosaic._base.errors import VerificationError
+from mosaic._build.run import build
+from mosaic._provenance.records import MANIFEST_NAME, PROVENANCE_NAME, SIGNATURE_NAME, parse_manifest
+from mosaic._provenance.signature import (
     IGNORE_PATHS,
     SigningError,
     is_ignored,
@@ -32,6 +30,8 @@ from mosaic.signature import (
     load_signing_key,
     load_trust,
 )
+from mosaic._release.signing import sign
+from mosaic.cli.commands import main
 
 from .test_audit import flip, regenerate_manifest, tensor_pos
 from .test_build import BASE, DONOR, recipe_doc, write_recipe
@@ -176,7 +176,7 @@ def test_signing_and_verifying_read_the_folder_once(unsigned: Path, keys, monkey
 
     monkeypatch.setattr(lib_io.SimpleFileHasher, "compute", refuse)
     reads: list[str] = []
-    import mosaic.audit.mosaic_folder as mf
+    import mosaic._audit.mosaic_folder as mf
 
     real = mf.digest_file
     monkeypatch.setattr(mf, "digest_file", lambda p, *a, **k: reads.append(Path(p).name) or real(p, *a, **k))
@@ -383,8 +383,8 @@ def test_sign_with_sources(unsigned: Path, built: Path, keys) -> None:
 
 
 def test_sign_a_gguf_export(tmp_path: Path, ckpt_factory, keys) -> None:
-    from mosaic.gguf.export import export_gguf
-    from mosaic.testing import Geometry
+    from mosaic._export.gguf import export_gguf
+    from mosaic.testing.exl3 import Geometry
 
     src = ckpt_factory(Geometry(arch="llama", layers=2, experts=0, bits=3, codebook="mcg"))
     out = tmp_path / "gguf"
@@ -518,7 +518,7 @@ def test_sigstore_signing_is_passed_to_the_library_before_anything_is_read(unsig
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from model_signing import signing
 
-    import mosaic.sign as sign_mod
+    import mosaic._release.signing as sign_mod
 
     calls: list[dict] = []
 
@@ -589,7 +589,7 @@ _HOSTILE = st.one_of(
                                           "resources": [{"name": "../../etc/passwd", "digest": "00"}, 7]}}))
 @example(data=_bundle_with({"predicate": {"serialization": {"method": "shards"}, "resources": []}}))
 def test_fuzz_read_statement_refuses_cleanly(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
-    from mosaic.signature import MalformedSignature, read_statement, signed_files
+    from mosaic._provenance.signature import MalformedSignature, read_statement, signed_files
 
     p = tmp_path_factory.mktemp("sig") / SIGNATURE_NAME
     p.write_bytes(data)

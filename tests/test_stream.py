@@ -14,13 +14,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from mosaic.audit.run import audit
-from mosaic.build.run import build
+from mosaic._audit.run import audit
+from mosaic._build.run import build
+from mosaic._formats.safetensors_reader import read_header
+from mosaic._hub.partial import PartialSnapshot, _subtract
+from mosaic._hub.ranges import RangeReader
+from mosaic._release.publishing import publish
 from mosaic.cli.commands import main
-from mosaic.formats.safetensors_reader import read_header
-from mosaic.hub.partial import PartialSnapshot, _subtract
-from mosaic.hub.ranges import RangeReader
-from mosaic.publish import publish
 
 from .fakehub import FakeHub
 from .test_hub import BASE, DONOR, REPO, files_of, hub, offline, published_base  # noqa: F401  (fixtures)
@@ -374,7 +374,7 @@ def test_rebuild_refuses_a_published_file_its_sources_do_not_give(hub: FakeHub, 
     """A forged repo whose config.json was changed, with a manifest made to agree: not 'identical'."""
     import hashlib
 
-    from mosaic.records import FileRecord, manifest
+    from mosaic._provenance.records import FileRecord, manifest
 
     out, _ = published_mosaic
     files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}

@@ -1,6 +1,6 @@
 """The command line: a thin layer over the Python API.
 
-Every :class:`~mosaic.errors.MosaicError` becomes one ``mosaic: error: ...`` line on stderr and its
+Every :class:`~mosaic._base.errors.MosaicError` becomes one ``mosaic: error: ...`` line on stderr and its
 exit status (2 bad input, 1 failed verification); ``--json`` output goes to stdout alone.
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 import click
 from rich.console import Console
 
-from mosaic import __version__
+from mosaic._base.errors import MosaicError
+from mosaic._base.literal import printable
+from mosaic._base.version import __version__
+from mosaic._provenance.records import column
 from mosaic.cli.render import stdout_console
-from mosaic.errors import MosaicError
-from mosaic.literal import printable
-from mosaic.records import column
 
 
 def _fail(message: str, code: int) -> None:
@@ -59,7 +59,7 @@ def _metadata_heavy(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from mosaic.checkpoint.folder import bulk
+        from mosaic._checkpoint.folder import bulk
 
         with bulk():
             return fn(*args, **kwargs)
@@ -79,19 +79,19 @@ def _console() -> Console:
 @click.version_option(__version__, prog_name="mosaic")
 def main() -> None:
     """Build mixed-precision mosaic checkpoints of quantized LLMs, byte for byte, and prove how."""
-    from mosaic.hashing import return_freed_buffers
+    from mosaic._base.hashing import return_freed_buffers
 
     return_freed_buffers()
 
 
 def _census_folder(directory: Path) -> tuple[Path, Any]:
     """A local folder as it is; ``org/name@<40-hex commit>`` from the cache, else its headers read by ranges."""
-    from mosaic.recipe import parse_hub_ref
+    from mosaic._recipe.document import parse_hub_ref
 
     ref = None if directory.exists() else parse_hub_ref(str(directory))
     if ref is None:
         return directory, None
-    from mosaic.sources import hub_folder
+    from mosaic._sources.resolve import hub_folder
 
     return hub_folder(*ref)
 
@@ -110,16 +110,16 @@ def census(directory: Path, as_json: bool) -> None:
     (tensor types, bits per layer from each tensor's type). Exit 0 with no problems, 1 with problems,
     2 when the checkpoint cannot be read.
     """
-    from mosaic.checkpoint.census import analyze, census_report
-    from mosaic.checkpoint.folder import open_checkpoint
-    from mosaic.checkpoint.gguf_model import is_gguf_location
+    from mosaic._checkpoint.census_exl3 import analyze, census_report
+    from mosaic._checkpoint.folder import open_checkpoint
+    from mosaic._checkpoint.gguf_model import is_gguf_location
+    from mosaic._sources.gguf import is_gguf_src
     from mosaic.cli.render import render_census
-    from mosaic.gguf_sources import is_gguf_src
 
     if not directory.exists() and is_gguf_src(str(directory)):  # org/name@<commit>:<file or glob>
-        from mosaic.checkpoint.gguf_census import gguf_census
+        from mosaic._checkpoint.census_gguf import gguf_census
+        from mosaic._sources.gguf import gguf_source, open_gguf_source
         from mosaic.cli.render import render_gguf_census
-        from mosaic.gguf_sources import gguf_source, open_gguf_source
 
         snaps: dict = {}
         rep = gguf_census(open_gguf_source(gguf_source(str(directory), "census", "base"), Path.cwd(), ranges=snaps))
@@ -128,8 +128,8 @@ def census(directory: Path, as_json: bool) -> None:
             rep["hub_bytes_read"] = sum(s.reader.bytes_read for s in snaps.values())
         render = render_gguf_census
     elif directory.exists() and is_gguf_location(directory):  # a .gguf file, a split set's first file, a folder of one GGUF model
-        from mosaic.checkpoint.gguf_census import gguf_census
-        from mosaic.checkpoint.gguf_model import open_gguf_model
+        from mosaic._checkpoint.census_gguf import gguf_census
+        from mosaic._checkpoint.gguf_model import open_gguf_model
         from mosaic.cli.render import render_gguf_census
 
         rep = gguf_census(open_gguf_model(directory))
@@ -164,9 +164,9 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
     With --stream, a repo + revision source that is not in the local Hugging Face cache is not
     downloaded whole: its headers and configs, then exactly the tensors the mosaic takes, are read by
     HTTP ranges into a resumable cache ($HF_HOME/mosaic/ranges)."""
-    from mosaic.build.run import build as run_build
+    from mosaic._base.progress import reporter
+    from mosaic._build.run import build as run_build
     from mosaic.cli.render import render_build
-    from mosaic.progress import reporter
 
     with reporter(False if as_json else None) as progress:
         res = run_build(recipe, out=out, force=force, jobs=jobs, link=link, stream=stream, progress=progress)
@@ -209,8 +209,8 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
 def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None, target_rate: str | None,
          layers: int | None, unit: str, out: Path | None, as_json: bool) -> None:
     """Choose which units to upgrade under a budget, exactly (not greedily), and write the recipe."""
+    from mosaic._plan.planner import PlanRequest, parse_donor_arg, parse_size, plan_mosaic
     from mosaic.cli.render import render_plan
-    from mosaic.plan.planner import PlanRequest, parse_donor_arg, parse_size, plan_mosaic
 
     req = PlanRequest(
         base=base,
@@ -223,10 +223,10 @@ def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None,
         out=out,
         unit_explicit=unit is not None,
     )
-    from mosaic.plan.gguf_planner import is_gguf_src
+    from mosaic._plan.gguf_planner import is_gguf_src
 
     if is_gguf_src(base):  # a .gguf file, a folder of one GGUF model, or org/name@<commit>:<file>
-        from mosaic.plan.gguf_planner import plan_gguf_mosaic
+        from mosaic._plan.gguf_planner import plan_gguf_mosaic
 
         report, _, _, notes = plan_gguf_mosaic(req)
     else:
@@ -268,12 +268,12 @@ def audit(directory: Path, sources: str | None, key: Path | None, identity: str 
     without them the audit reports it present but unverified. Exit 0 when every check passes, 1 when
     any fails, 2 when DIRECTORY is not a mosaic or a key cannot be used.
     """
-    from mosaic.audit.report import NotAMosaic, audit_report_json
-    from mosaic.audit.run import audit as run_audit
-    from mosaic.audit.run import find_mosaics
+    from mosaic._audit.report import NotAMosaic, audit_report_json
+    from mosaic._audit.run import audit as run_audit
+    from mosaic._audit.run import find_mosaics
+    from mosaic._base.progress import reporter
+    from mosaic._provenance.signature import load_trust
     from mosaic.cli.render import render_audit
-    from mosaic.progress import reporter
-    from mosaic.signature import load_trust
 
     trust = load_trust(key, identity, issuer)
     folders = find_mosaics(directory) if directory.is_dir() else []
@@ -297,7 +297,7 @@ def _passphrase(key: Path, password_file: Path | None) -> str | None:
     """A private key's passphrase: from --password-file, MOSAIC_KEY_PASSWORD, or typed on a terminal."""
     import os
 
-    from mosaic.signature import SigningError
+    from mosaic._provenance.signature import SigningError
 
     if password_file is not None:
         try:
@@ -342,9 +342,9 @@ def sign(directory: Path, key: Path | None, password_file: Path | None, sigstore
     digests of that read: every file but model.sig and the hub's .cache/huggingface/ records. Exit 0
     when signed, 1 when the audit fails, 2 on a key, passphrase or option problem.
     """
-    from mosaic.progress import reporter
-    from mosaic.sign import sign as run_sign
-    from mosaic.signature import Signer, SigningError, Sigstore, load_signing_key
+    from mosaic._base.progress import reporter
+    from mosaic._provenance.signature import Signer, SigningError, Sigstore, load_signing_key
+    from mosaic._release.signing import sign as run_sign
 
     if (key is None) == (not sigstore):
         raise SigningError("give --key PRIVATE_KEY, or --sigstore for keyless signing (one of them)")
@@ -357,7 +357,7 @@ def sign(directory: Path, key: Path | None, password_file: Path | None, sigstore
     if as_json:
         _emit_json(res.as_dict())
         return
-    from mosaic.literal import printable
+    from mosaic._base.literal import printable
 
     c = res.report.counts
     click.echo(f"audit passed: {printable(directory)} ({c.get('files', 0)} files, {c.get('bytes', 0):,} bytes read once)")
@@ -385,8 +385,8 @@ def export() -> None:
 def export_gguf_cmd(directory: Path, out: Path, split_max_size: str, no_tensor_first_split: bool,
                     name: str | None, as_json: bool) -> None:
     """Repackage DIRECTORY for ranma.cpp: EXL3 tensors bit for bit in GGUF shards, with manifest.json."""
-    from mosaic.gguf.export import export_gguf, export_summary, parse_size
-    from mosaic.progress import reporter
+    from mosaic._base.progress import reporter
+    from mosaic._export.gguf import export_gguf, export_summary, parse_size
 
     size = parse_size(split_max_size)
     with reporter(False if as_json else None) as progress:
@@ -415,8 +415,8 @@ def fetch(recipe: Path, local_dir: Path | None, jobs: int | None, as_json: bool)
     so that a build need not hash an unchanged file again. With HF_HUB_OFFLINE=1 the cache is
     checked instead. Exit 1 when a file differs from the hub's digest (it is removed: fetch again).
     """
-    from mosaic.hub.fetch import fetch as run_fetch
-    from mosaic.progress import reporter
+    from mosaic._base.progress import reporter
+    from mosaic._hub.download import fetch as run_fetch
 
     show = not as_json and sys.stderr.isatty()
     with reporter(False if as_json else None) as progress:
@@ -449,8 +449,8 @@ def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_r
     of every uploaded file is compared with sha256-manifest.txt (exit 1 on any difference) and the
     commit id is printed. The token comes from huggingface_hub's usual places (HF_TOKEN, `hf auth login`).
     """
-    from mosaic.progress import reporter
-    from mosaic.publish import publish as run_publish
+    from mosaic._base.progress import reporter
+    from mosaic._release.publishing import publish as run_publish
 
     show = not as_json and sys.stderr.isatty()
     with reporter(False if as_json else None) as progress:
@@ -482,10 +482,10 @@ def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | 
     needed byte ranges read from the hub. Every tensor is checked against PROVENANCE.json and every file
     against the manifest; on any mismatch nothing is kept (exit 1).
     """
+    from mosaic._base.progress import reporter
+    from mosaic._release.rebuilding import parse_source_override
+    from mosaic._release.rebuilding import rebuild as run_rebuild
     from mosaic.cli.render import render_rebuild
-    from mosaic.progress import reporter
-    from mosaic.rebuild import parse_source_override
-    from mosaic.rebuild import rebuild as run_rebuild
 
     given = dict(parse_source_override(o) for o in overrides)
     with reporter(False if as_json else None) as progress:
@@ -521,9 +521,9 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
     and from the first candidate to each later one, rows improved / regressed on top-1, KL and NLL.
     GGUF models run on llama.cpp (CPU); EXL3 folders on exllamav3 (the exl3 extra and a CUDA GPU).
     """
+    from mosaic._base.progress import reporter
+    from mosaic._eval.run import EvalRequest, evaluate
     from mosaic.cli.render import render_eval
-    from mosaic.eval.run import EvalRequest, evaluate
-    from mosaic.progress import reporter
 
     req = EvalRequest(list(candidates), reference, text, ctx, top_k, save_reference, verbose=verbose, threads=threads)
     with reporter(False if as_json else None, unit="tokens") as progress:
@@ -560,10 +560,10 @@ def measure_cmd(base: str, donors: tuple[str, ...], reference: str, text: Path, 
                 threads: int | None, verbose: bool, as_json: bool) -> None:
     """Measure what each unit buys: every unit of the selected layers from every donor that has it, scored on
     the model against the teacher (KL, top-1, NLL deltas against the base, with their noise), for mosaic plan."""
+    from mosaic._base.progress import reporter
+    from mosaic._measure.run import MeasureRequest, measure
+    from mosaic._plan.planner import parse_donor_arg
     from mosaic.cli.render import render_measurement
-    from mosaic.measure.run import MeasureRequest, measure
-    from mosaic.plan.planner import parse_donor_arg
-    from mosaic.progress import reporter
 
     req = MeasureRequest(base, [parse_donor_arg(d) for d in donors], reference, text, unit, only_layers, ctx, top_k, out, resume, force, workdir, threads, verbose)
     with reporter(False if as_json else None, unit="candidates") as progress:

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from mosaic.literal import markup_literal as lit
+from mosaic._base.literal import markup_literal as lit
 
 if TYPE_CHECKING:
-    from mosaic.hub.fetch import FetchedSnapshot
-    from mosaic.publish import PublishResult
-    from mosaic.rebuild import RebuildResult
+    from mosaic._hub.download import FetchedSnapshot
+    from mosaic._release.publishing import PublishResult
+    from mosaic._release.rebuilding import RebuildResult
 
 #: Lines are never wrapped when not on a terminal; tables are laid out as if the page were this wide.
 PLAIN_WIDTH = 1 << 14

@@ -1,0 +1,284 @@
+"""``mosaic eval``: every candidate scored against one teacher on the same tokens, row by row.
+
+Each row is tokenized with the model's own tokenizer (teacher and candidates must agree, token for
+token) and evaluated in windows of ``ctx`` tokens, each from an empty context. With a live teacher the
+KL is exact (the teacher's full distribution is at hand, a batch of positions at a time); against a saved
+reference (``--reference FILE.npz``) it is the KL lower bound from the teacher's top-k. Either way the
+teacher's top-k can be saved for later runs, with no candidate at all for a teacher too big to run twice.
+
+Every model is checked by the strict GGUF reader before a runtime opens it. The models advance in lock
+step, one batch of positions at a time, and log-probabilities are taken in float64 a few positions at a
+time, so peak memory is the models plus O(batch × vocabulary) each, whatever ``ctx``, the rows' lengths or
+their number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mosaic._base.errors import FormatError, MosaicError, SourceError
+from mosaic._base.progress import SILENT, Reporter
+from mosaic._eval.backends import (
+    Backend,
+    Exl3Backend,
+    GGUFBackend,
+    GGUFCheck,
+    batch_size,
+    check_context,
+    check_gguf,
+    identity_difference,
+    is_exl3_folder,
+)
+from mosaic._eval.panel import (
+    Scores,
+    compare,
+    kl_exact,
+    kl_lower_bound,
+    log_softmax,
+    position_scores,
+    summarize,
+    top_k,
+)
+from mosaic._eval.reference import Reference, is_reference_file, load_reference
+from mosaic._eval.rows import Rows, load_rows
+from mosaic._eval.runtime import RuntimeInfo, get_runtime
+
+#: float64 log-probabilities held at a time per model (positions × vocabulary): 8 MiB each.
+CHUNK_FLOATS = 1 << 20
+DEFAULT_CTX = 512
+DEFAULT_TOP_K = 32
+
+
+@dataclass
+class EvalRequest:
+    candidates: list[str]
+    reference: str
+    text: Path
+    ctx: int | None = None
+    top_k: int | None = None
+    save_reference: Path | None = None
+    verbose: bool = False
+    runtime: str | None = None
+    threads: int | None = None
+
+
+def windows(tokens: list[int] | np.ndarray, ctx: int) -> list[list[int]]:
+    """Consecutive windows of at most ``ctx`` tokens; a window of one token predicts nothing and is dropped."""
+    out = [list(map(int, tokens[i:i + ctx])) for i in range(0, len(tokens), ctx)]
+    return [w for w in out if len(w) > 1]
+
+
+@dataclass
+class _Teacher:
+    """Where the teacher's numbers come from: a live model, or a saved reference."""
+
+    name: str
+    ctx: int
+    k: int
+    identity: dict
+    row_tokens: list[list[int]]
+    live: Backend | None
+    saved: Reference | None
+
+    @classmethod
+    def of(cls, ref: Reference) -> _Teacher:
+        return cls(ref.model, ref.ctx, ref.k, ref.tokenizer, [list(map(int, t)) for t in ref.row_tokens], None, ref)
+
+
+def _model_check(path: str, ctx: int) -> GGUFCheck | None:
+    p = Path(path)
+    if is_exl3_folder(p):
+        return None
+    check = check_gguf(p)
+    check_context(check, ctx, path)
+    return check
+
+
+def _open(path: str, check: GGUFCheck | None, ctx: int, batch: int, req: EvalRequest) -> Backend:
+    if check is None:
+        return Exl3Backend(Path(path), ctx, batch)
+    rt = get_runtime(req.runtime, threads=req.threads, verbose=req.verbose)
+    return GGUFBackend(check, path, rt, ctx, batch)
+
+
+def _saved_teacher(req: EvalRequest, rows: Rows) -> _Teacher:
+    saved = load_reference(req.reference)
+    if saved.text_sha256 != rows.sha256:
+        raise FormatError(f"{req.reference}: saved for another text (sha256 {saved.text_sha256}), not {req.text} ({rows.sha256})")
+    if req.ctx is not None and req.ctx != saved.ctx:
+        raise FormatError(f"{req.reference}: saved with --ctx {saved.ctx}, not {req.ctx}")
+    if req.top_k is not None and req.top_k != saved.k:
+        raise FormatError(f"{req.reference}: saved with --top-k {saved.k}, not {req.top_k}")
+    if req.save_reference is not None:
+        raise FormatError("--save-reference needs a live reference model, not a saved one")
+    return _Teacher.of(saved)
+
+
+def _check_tokens(c: Backend, teacher: _Teacher, rows: Rows) -> None:
+    diff = identity_difference(c.tokenizer_identity(), teacher.identity)
+    if diff is not None:
+        raise SourceError(f"{c.name}: its tokenizer differs from the reference's: {diff}; the panel compares models on the same tokens")
+    for i, text in enumerate(rows.texts):
+        if c.tokenize(text) != teacher.row_tokens[i]:
+            raise SourceError(f"{c.name}: row {i + 1} tokenizes differently from the reference")
+
+
+def runtime_note(saved: dict | None, used: RuntimeInfo | None) -> str | None:
+    """A sentence when a saved reference was made by another runtime than the candidates ran on."""
+    if used is None:
+        return None
+    if saved is None:
+        return "the reference was saved without a record of its runtime (an earlier mosaic); the candidates ran on " + used.describe()
+    same = all(saved.get(k) == v for k, v in used.as_dict().items() if k != "threads")
+    if same:
+        return None
+    return (f"the reference was saved by {saved.get('name')} {saved.get('version')} (llama.cpp {saved.get('llama_cpp')}); "
+            f"the candidates ran on {used.describe()}: the teacher's numbers carry that runtime's float differences")
+
+
+def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]:
+    rows = load_rows(req.text)
+    if not req.candidates and req.save_reference is None:
+        raise MosaicError("name at least one CANDIDATE, or --save-reference FILE to save the teacher's top-k alone")
+    with contextlib.ExitStack() as stack:
+        if is_reference_file(req.reference):
+            teacher = _saved_teacher(req, rows)
+            ctx = teacher.ctx
+        else:
+            ctx = req.ctx or DEFAULT_CTX
+        if ctx < 2:
+            raise FormatError(f"--ctx {ctx}: a window needs at least 2 tokens")
+        live = not is_reference_file(req.reference)
+        checks = {p: _model_check(p, ctx) for p in ([req.reference] if live else []) + list(req.candidates)}
+        vocab = max((c.n_vocab or 0 for c in checks.values() if c is not None), default=0)
+        batch = batch_size(ctx, vocab or 1)
+        if live:
+            tb = _open(req.reference, checks[req.reference], ctx, batch, req)
+            stack.callback(tb.close)
+            teacher = _Teacher(req.reference, ctx, req.top_k or DEFAULT_TOP_K, tb.tokenizer_identity(),
+                               [tb.tokenize(t) for t in rows.texts], tb, None)
+        cands: list[Backend] = []
+        for c in req.candidates:
+            b = _open(c, checks[c], ctx, batch, req)
+            stack.callback(b.close)
+            _check_tokens(b, teacher, rows)
+            cands.append(b)
+        used = get_runtime(req.runtime, threads=req.threads, verbose=req.verbose).info if any(
+            isinstance(b, GGUFBackend) for b in [*cands, *([teacher.live] if teacher.live else [])]) else None
+        scores, kept = _score(teacher, cands, ctx, progress, len(rows.texts), keep=req.save_reference is not None)
+    exact = teacher.live is not None
+    results = [summarize(c.name, s, exact) for c, s in zip(cands, scores)]
+    doc: dict[str, object] = {
+        "reference": teacher.name,
+        "reference_kind": "live (exact KL)" if exact else f"saved top-{teacher.k} (KL lower bound)",
+        "text": rows.path,
+        "text_sha256": rows.sha256,
+        "ctx": ctx,
+        "top_k": teacher.k,
+        "batch": batch,
+        "runtime": used.as_dict() if used else None,
+        "tokens": sum(len(t) for t in teacher.row_tokens),
+        "positions": _positions(teacher.row_tokens, ctx),
+        "rows": len(rows.texts),
+        "candidates": results,
+        "comparisons": [compare(results[0], r) for r in results[1:]],
+        "notes": [],
+    }
+    if teacher.saved is not None:
+        doc["reference_runtime"] = teacher.saved.runtime
+        note = runtime_note(teacher.saved.runtime, used)
+        if note:
+            doc["notes"].append(note)  # type: ignore[union-attr]
+    if req.save_reference is not None:
+        k = teacher.k
+        Reference(teacher.name, rows.sha256, teacher.identity, ctx, k, [np.asarray(t, np.int32) for t in teacher.row_tokens],
+                  np.concatenate(kept[0]) if kept[0] else np.zeros((0, k), np.int32),
+                  np.concatenate(kept[1]) if kept[1] else np.zeros((0, k), np.float32),
+                  used.as_dict() if used else None).save(req.save_reference)
+        doc["saved_reference"] = str(req.save_reference)
+    return doc
+
+
+def score_against(ref: Reference, cands: list[Backend], progress: Reporter = SILENT) -> list[dict[str, object]]:
+    """Each candidate scored against a saved reference as ``mosaic eval`` scores it (the KL lower bound),
+    the candidates already known to tokenize as the reference did; their panels (``summarize``)."""
+    scores, _ = _score(_Teacher.of(ref), cands, ref.ctx, progress, len(ref.row_tokens))
+    return [summarize(c.name, s, False) for c, s in zip(cands, scores)]
+
+
+def check_tokens(c: Backend, ref: Reference, rows: Rows) -> None:
+    """``c`` tokenizes every row as the reference did (its tokenizer's identity first)."""
+    _check_tokens(c, _Teacher.of(ref), rows)
+
+
+def _positions(row_tokens: list[list[int]], ctx: int) -> int:
+    return sum(len(w) - 1 for t in row_tokens for w in windows(t, ctx))
+
+
+def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter, n_rows: int,
+           keep: bool = False) -> tuple[list[Scores], tuple[list[np.ndarray], list[np.ndarray]]]:
+    """Every candidate's per-position scores; with ``keep``, the live teacher's top-k of every position."""
+    work = _positions(teacher.row_tokens, ctx)
+    what = f"{n_rows} rows, {len(cands)} candidate(s)" if cands else f"{n_rows} rows, the teacher alone"
+    advance = progress.step(f"{what} against {teacher.name}", work)
+    scores = [Scores([], [], []) for _ in cands]
+    kept_ids: list[np.ndarray] = []
+    kept_lp: list[np.ndarray] = []
+    models: list[Backend] = ([teacher.live] if teacher.live else []) + cands
+    vocab = max(m.n_vocab for m in models)
+    chunk = max(1, CHUNK_FLOATS // vocab)
+    k, pos = teacher.k, 0
+    for toks in teacher.row_tokens:
+        parts: list[tuple[list, list, list]] = [([], [], []) for _ in cands]
+        for w in windows(toks, ctx):
+            n = len(w) - 1
+            nxt = np.asarray(w[1:])
+            # the last token predicts nothing scored: positions 0..n-1 are decoded, in lock step
+            streams: list[Iterator[np.ndarray]] = [m.window(w[:-1]) for m in models]
+            off = 0
+            for pieces in zip(*streams):
+                m_ = pieces[0].shape[0]
+                if any(p.shape[0] != m_ for p in pieces):
+                    raise MosaicError("the models handed back batches of different sizes")
+                for a in range(0, m_, chunk):
+                    b = min(a + chunk, m_)
+                    s0, s1 = off + a, off + b
+                    if teacher.live is not None:
+                        t_lp = log_softmax(pieces[0][a:b])
+                        ids, lps = top_k(t_lp, k)
+                        if keep:
+                            kept_ids.append(ids)
+                            kept_lp.append(lps)
+                        cand_pieces = pieces[1:]
+                    else:
+                        assert teacher.saved is not None
+                        ids = teacher.saved.top_ids[pos + s0:pos + s1]
+                        lps = teacher.saved.top_lp[pos + s0:pos + s1]
+                        if ids.shape[0] != s1 - s0:
+                            raise FormatError("the saved reference holds fewer positions than the text needs; saved for another --ctx?")
+                        cand_pieces = pieces
+                    if cand_pieces and int(ids.max(initial=0)) >= cand_pieces[0].shape[1]:
+                        raise FormatError("the saved reference names tokens beyond the candidates' vocabulary")
+                    for ci, cp in enumerate(cand_pieces):
+                        c_lp = log_softmax(cp[a:b])
+                        kl = kl_exact(t_lp, c_lp) if teacher.live is not None else kl_lower_bound(ids, lps, c_lp)
+                        agree, kl, nll = position_scores(ids[:, 0], kl, c_lp, nxt[s0:s1])
+                        parts[ci][0].append(agree)
+                        parts[ci][1].append(kl)
+                        parts[ci][2].append(nll)
+                off += m_
+                advance(m_)
+            if off != n:
+                raise MosaicError(f"a model handed back {off} positions of a window of {n}")
+            pos += n
+        for ci in range(len(cands)):
+            for j, target in enumerate((scores[ci].top1, scores[ci].kl, scores[ci].nll)):
+                target.append(np.concatenate(parts[ci][j]) if parts[ci][j] else np.zeros(0))
+    if teacher.saved is not None and pos != teacher.saved.top_ids.shape[0]:
+        raise FormatError(f"the saved reference holds {teacher.saved.top_ids.shape[0]} positions, the text {pos}; saved for another --ctx?")
+    return scores, (kept_ids, kept_lp)

@@ -1,0 +1,136 @@
+"""What scores a measurement's candidates: one small interface, one implementation per format.
+
+A scorer is made once per measurement, scores the base once, then each candidate "base + unit from
+donor" against the teacher's saved top-k, as ``mosaic eval`` scores a model against a saved reference
+(the KL lower bound), and hands back its panel (:func:`mosaic._eval.panel.summarize`). GGUF runs on
+llama.cpp on the CPU, its candidates made of laid-out parts (:mod:`.parts`); EXL3 runs on exllamav3 on a
+CUDA GPU, swapping a unit's modules in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Protocol
+
+from mosaic._base.progress import SILENT, Reporter
+from mosaic._checkpoint.gguf_model import GGUFModel
+from mosaic._eval.backends import GGUFBackend, batch_size, check_gguf, require_exl3_gpu
+from mosaic._eval.reference import Reference
+from mosaic._eval.rows import Rows
+from mosaic._eval.run import check_tokens, score_against
+from mosaic._eval.runtime import get_runtime
+from mosaic._measure.parts import Parts, lay_out
+from mosaic._plan.gguf_units import Unit
+
+
+class Scorer(Protocol):
+    runtime: dict
+
+    def base(self) -> dict: ...
+
+    def candidate(self, unit: int, donor: str) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class GGUFScorer:
+    """Candidates as links to parts laid out once; each loaded by llama.cpp by its first part's name."""
+
+    def __init__(self, base: GGUFModel, donors: dict[str, GGUFModel], units: list[Unit], runs: list[tuple[int, str]],
+                 ref: Reference, rows: Rows, workdir: Path, *, threads: int | None = None, verbose: bool = False,
+                 progress: Reporter = SILENT) -> None:
+        self._rt = get_runtime(threads=threads, verbose=verbose)
+        self.runtime = self._rt.info.as_dict()
+        self._ref = ref
+        self._parts: Parts = lay_out(workdir, base, units, donors, runs, progress)
+        first = self._parts.candidate(None, None)
+        self._check = check_gguf(first)  # the laid-out base, strictly, split keys and all
+        self.batch = batch_size(ref.ctx, self._check.n_vocab or 1)
+        b = self._open(first, base.describe())
+        try:
+            check_tokens(b, ref, rows)
+        finally:
+            b.close()
+
+    def _open(self, first: Path, name: str) -> GGUFBackend:
+        return GGUFBackend(dataclasses.replace(self._check, first=first), name, self._rt, self._ref.ctx, self.batch)
+
+    def _score(self, first: Path, name: str) -> dict:
+        b = self._open(first, name)
+        try:
+            return score_against(self._ref, [b])[0]
+        finally:
+            b.close()
+
+    def base(self) -> dict:
+        return self._score(self._parts.candidate(None, None), "base")
+
+    def candidate(self, unit: int, donor: str) -> dict:
+        return self._score(self._parts.candidate(unit, donor), f"unit {unit} from {donor}")
+
+    def close(self) -> None:
+        pass
+
+
+class Exl3Scorer:
+    """exllamav3 on a CUDA GPU. A candidate is built as a mosaic with ``--link``: the shards that hold none of
+    the unit's tensors are hard links, only those that do are written (of the order of the unit's shards, not
+    of the model); it is loaded by exllamav3 and scored, then removed."""
+
+    def __init__(self, base: object, donors: dict[str, object], units: list, todo: list[tuple[int, str]], ref: Reference,
+                 rows: Rows, work: Path, progress: Reporter = SILENT) -> None:
+        require_exl3_gpu("mosaic measure")
+        import importlib.metadata
+
+        self.runtime = {"name": "exllamav3", "version": importlib.metadata.version("exllamav3"), "threads": 1}
+        self._base, self._donors, self._units, self._ref, self._rows = base, donors, units, ref, rows
+        self._work = work
+        work.mkdir(parents=True)
+        self._checked = False
+
+    def _score(self, folder: Path, name: str) -> dict:
+        from mosaic._eval.backends import Exl3Backend
+
+        b = Exl3Backend(folder, self._ref.ctx, batch_size(self._ref.ctx, 1 << 15))
+        try:
+            if not self._checked:
+                check_tokens(b, self._ref, self._rows)
+                self._checked = True
+            return score_against(self._ref, [b])[0]
+        finally:
+            b.close()
+
+    def base(self) -> dict:
+        return self._score(self._base.ckpt.root, "base")  # type: ignore[attr-defined]
+
+    def candidate(self, unit: int, donor: str) -> dict:
+        import shutil
+
+        import yaml
+
+        from mosaic._build.run import build
+
+        u = self._units[unit]
+        rule: dict[str, object] = {"from": donor, "layers": [u.layer]}
+        if u.pattern:
+            rule["modules"] = [u.pattern]
+        recipe = self._work / "candidate.yaml"
+        recipe.write_text(yaml.safe_dump({
+            "name": "candidate", "base": {"path": str(self._base.ckpt.root.resolve())},  # type: ignore[attr-defined]
+            "donors": {donor: {"path": str(self._donors[donor].ckpt.root.resolve())}},  # type: ignore[attr-defined]
+            "replace": [rule]}, sort_keys=False))
+        out = self._work / "candidate"
+        try:
+            build(recipe, out=out, force=True, link=True)
+            return self._score(out, f"layer {u.layer} from {donor}")
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    def close(self) -> None:
+        pass
+
+
+def exl3_scorer(*args: object, **kwargs: object) -> Scorer:
+    """exllamav3 on a CUDA GPU (the ``exl3`` extra): without one, one line says so."""
+    return Exl3Scorer(*args, **kwargs)  # type: ignore[arg-type]

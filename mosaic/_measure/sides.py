@@ -1,0 +1,173 @@
+"""What a measurement needs of its sources, per format: the units, each (unit, donor) pair's exact
+``dbytes``, the files' digests, the runtime, and the scorer that runs the candidates.
+
+GGUF: the plan's GGUF units (:mod:`mosaic._plan.gguf_units`), parts laid out once and candidates as links,
+llama.cpp on the CPU. EXL3: the plan's units (``mosaic plan --unit``'s layer, layer-experts and
+module-group), ``dbytes`` from the plan's exact size model (headers included), exllamav3 on a CUDA GPU.
+The orchestration (:mod:`.run`) and the document are the same for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mosaic._base.errors import MosaicError, SourceError
+from mosaic._base.progress import Reporter
+from mosaic._build.digest_cache import file_records, folder_records
+from mosaic._build.gguf_plan import check_same_model
+from mosaic._checkpoint.gguf_model import GGUFModel
+from mosaic._eval.reference import Reference
+from mosaic._eval.rows import Rows
+from mosaic._measure.backends import GGUFScorer, Scorer, exl3_scorer
+from mosaic._measure.parts import part_bytes
+from mosaic._plan.gguf_units import Unit, dbytes, default_unit, donor_has, gguf_units
+from mosaic._sources.gguf import gguf_source, is_gguf_src, open_gguf_source
+
+
+@dataclass
+class Side:
+    format: str
+    unit: str
+    layers: set[int] | None
+    units: list[Unit]
+    runs: list[tuple[int, str]]  # (unit index, donor id), units in order, donors in --donor order
+    dbytes: dict[tuple[int, str], int]
+    base_bytes: int
+    base_files: list[dict]
+    donor_files: dict[str, list[dict]]
+    runtime: dict
+    same_bytes: Callable[[int, str], bool]
+    space_needed: Callable[[list[tuple[int, str]]], int]
+    scorer: Callable[[list[tuple[int, str]], Reference, Rows, Path, object, Reporter], Scorer]
+    reference_files: Callable[[str, Reporter], list[dict]]
+
+
+def parse_layer_list(text: str) -> set[int]:
+    """``0-5,9,12`` -> {0, 1, 2, 3, 4, 5, 9, 12}."""
+    out: set[int] = set()
+    for part in text.split(","):
+        a, sep, b = part.strip().partition("-")
+        try:
+            lo, hi = int(a), int(b) if sep else int(a)
+        except ValueError:
+            raise MosaicError(f"--only-layers {text!r}: not a list of layers and ranges like 0-5,9,12") from None
+        if lo < 0 or hi < lo:
+            raise MosaicError(f"--only-layers {text!r}: {part.strip()!r} is not a range")
+        out.update(range(lo, hi + 1))
+    return out
+
+
+def _same_gguf_bytes(unit: Unit, base: GGUFModel, donor: GGUFModel) -> bool:
+    """Does the donor hold exactly the base's bytes for every tensor of the unit?"""
+    bt, dt = base.by_name(), donor.by_name()
+    if any(bt[n].type_id != dt[n].type_id or bt[n].nbytes != dt[n].nbytes for n in unit.tensors):
+        return False
+    for n in unit.tensors:
+        a, b = bt[n], dt[n]
+        with open(base.path(a.file), "rb") as fa, open(donor.path(b.file), "rb") as fb:
+            pos = 0
+            while pos < a.nbytes:
+                k = min(a.nbytes - pos, 8 << 20)
+                fa.seek(a.start + pos)
+                fb.seek(b.start + pos)
+                if fa.read(k) != fb.read(k):
+                    return False
+                pos += k
+    return True
+
+
+def gguf_side(req: object, progress: Reporter) -> Side:
+    from mosaic._eval.runtime import get_runtime
+
+    r = req
+    base_spec = gguf_source(r.base, "--base", "base")  # type: ignore[attr-defined]
+    base = open_gguf_source(base_spec, Path.cwd())
+    donors: dict[str, GGUFModel] = {}
+    files: dict[str, list[dict]] = {}
+    for did, src in r.donors:  # type: ignore[attr-defined]
+        if not is_gguf_src(src):
+            raise SourceError(f"--donor {did}: {src} is not a GGUF model, but the base is")
+        spec = gguf_source(src, f"--donor {did}", did)
+        donors[did] = open_gguf_source(spec, Path.cwd())
+        check_same_model(base, did, donors[did])
+        files[did] = file_records(donors[did], spec, progress)
+    kind = r.unit or default_unit(base)  # type: ignore[attr-defined]
+    only = parse_layer_list(r.only_layers) if r.only_layers else None  # type: ignore[attr-defined]
+    units = gguf_units(base, kind, only)
+    runs = [(ui, d) for ui, u in enumerate(units) for d in donors if donor_has(u, base, donors[d])]
+
+    def reference_files(src: str, progress: Reporter) -> list[dict]:
+        spec = gguf_source(src, "--reference", "reference")
+        return file_records(open_gguf_source(spec, Path.cwd()), spec, progress)
+
+    def scorer(todo: list[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
+        return GGUFScorer(base, donors, units, todo, ref, rows, work, threads=req.threads,  # type: ignore[attr-defined]
+                          verbose=req.verbose, progress=progress)  # type: ignore[attr-defined]
+
+    return Side(
+        "gguf", kind, only, units, runs, {(ui, d): dbytes(units[ui], base, donors[d]) for ui, d in runs}, base.size,
+        file_records(base, base_spec, progress), files,
+        get_runtime(threads=r.threads, verbose=r.verbose).info.as_dict(),  # type: ignore[attr-defined]
+        lambda ui, d: _same_gguf_bytes(units[ui], base, donors[d]),
+        lambda todo: part_bytes(base, units, donors, todo),
+        scorer, reference_files,
+    )
+
+
+#: The scorer EXL3 measurements use (exllamav3 on a GPU); tests put a stand-in here.
+EXL3_SCORER: Callable[..., Scorer] = exl3_scorer
+EXL3_RUNTIME: Callable[[], dict] = lambda: _exllamav3_runtime()  # noqa: E731
+
+
+def _exllamav3_runtime() -> dict:
+    from mosaic._eval.backends import require_exl3_gpu
+
+    require_exl3_gpu("mosaic measure")
+    import importlib.metadata
+
+    return {"name": "exllamav3", "version": importlib.metadata.version("exllamav3"), "threads": 1}
+
+
+def exl3_side(req: object, progress: Reporter) -> Side:
+    from mosaic._plan.costs import SizeModel
+    from mosaic._plan.planner import _check_candidates, _load, parse_source
+    from mosaic._plan.units import find_units
+
+    r = req
+    runtime = EXL3_RUNTIME()  # a one-line error without exllamav3 and a GPU, before any work
+    base_spec, base_dir = parse_source(r.base, "--base", "base")  # type: ignore[attr-defined]
+    base = _load(base_spec, base_dir, "base")
+    donors = {}
+    for did, src in r.donors:  # type: ignore[attr-defined]
+        if is_gguf_src(src):
+            raise SourceError(f"--donor {did}: {src} is a GGUF model, but the base is an EXL3 folder")
+        spec, folder = parse_source(src, f"--donor {did}", did)
+        donors[did] = _load(spec, folder, did)
+    kind = r.unit or ("layer-experts" if any(m.info.group == "routed_experts" for m in base.modules.values())  # type: ignore[attr-defined]
+                      else "layer")
+    only = parse_layer_list(r.only_layers) if r.only_layers else None  # type: ignore[attr-defined]
+    all_units = find_units(base, kind)
+    if only is not None:
+        missing = sorted(only - {u.layer for u in all_units})
+        if missing:
+            raise MosaicError(f"--only-layers: the base has no layer {missing[0]} with units of kind {kind}")
+    chosen = [u for u in all_units if only is None or u.layer in only]
+    _check_candidates(base, donors, chosen)
+    model = SizeModel(base, donors, all_units)
+    plain = model.size({})
+    units = [Unit(u.layer, u.pattern, u.modules) for u in chosen]
+    runs = [(i, d) for i in range(len(chosen)) for d in donors]
+    sizes = {(i, d): model.size({chosen[i].index: d}) - plain for i, d in runs}
+
+    def reference_files(src: str, progress: Reporter) -> list[dict]:
+        spec, folder = parse_source(src, "--reference", "reference")
+        return folder_records(_load(spec, folder, "reference"), progress)
+
+    def scorer(todo: list[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
+        return EXL3_SCORER(base, donors, chosen, todo, ref, rows, work, progress=progress)
+
+    return Side("exl3", kind, only, units, runs, sizes, base.ckpt.shard_bytes, folder_records(base, progress),
+                {d: folder_records(a, progress) for d, a in donors.items()}, runtime, lambda ui, d: False,
+                lambda todo: 0, scorer, reference_files)

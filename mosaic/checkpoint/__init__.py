@@ -1,5 +1,0 @@
-"""What a checkpoint is: a folder of shards and configs (:mod:`.folder`), the EXL3 rules for its
-tensors (:mod:`.exl3`), and the analysis of one checkpoint behind ``mosaic census`` (:mod:`.census`).
-
-Read-only: nothing here writes a file.
-"""

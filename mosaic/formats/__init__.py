@@ -1,5 +1,0 @@
-"""The file formats, strictly: safetensors (reader and streaming writer) and the GGUF container.
-
-The bottom floor: these modules import nothing of mosaic but :mod:`mosaic.errors` and
-:mod:`mosaic.faults`, and know nothing of models, recipes or mosaics.
-"""

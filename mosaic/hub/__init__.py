@@ -1,3 +1,0 @@
-"""The Hugging Face Hub, read side: pinned snapshots and the hub's own digests (:mod:`.snapshot`) and
-``mosaic fetch`` (:mod:`.fetch`). Publishing, which needs the audit too, sits above in :mod:`mosaic.publish`.
-"""
