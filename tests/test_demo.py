@@ -40,3 +40,20 @@ def test_the_whole_tour_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
     for p in ("demo/planned.yaml", "demo/out/demo-mosaic", "demo/out/demo-mosaic-gguf", "PROVENANCE.json", "sha256sum -c",
               "model.sig", "model_signing verify key"):
         assert p in tail
+
+
+def test_the_tour_prints_what_it_always_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Every line of the tour, the command line's tables and messages, byte for byte as recorded in
+    tests/data/demo-transcript.txt (but the folder it ran in and the fingerprint of its fresh key): a change
+    of what the commands print shows here, and is made on purpose by recording the new transcript."""
+    import re
+
+    (tmp_path / "recipes").mkdir()
+    shutil.copy(ROOT / "recipes" / "demo.yaml", tmp_path / "recipes" / "demo.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert run(Path("demo"), Path("recipes/demo.yaml")) == 0
+    printed = capsys.readouterr().out.replace(str(tmp_path), "ROOT")
+    printed = re.sub(r"public key sha256 [0-9a-f]+…", "public key sha256 KEY…", printed)
+    want = (ROOT / "tests" / "data" / "demo-transcript.txt").read_text(encoding="utf-8")
+    assert printed.splitlines() == want.splitlines()
