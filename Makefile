@@ -75,7 +75,7 @@ release: $(STAMP)
 	@$(if $(SIGN_KEY),test -r '$(SIGN_KEY)' || { echo "make release: cannot read SIGN_KEY=$(SIGN_KEY); nothing ran" >&2; exit 2; })
 	@out='$(OUT)'; \
 	if [ -z "$$out" ]; then \
-	  out=$$($(BIN)/python -c 'import sys; from mosaic._recipe.document import load_recipe; print(load_recipe(sys.argv[1]).output_path())' '$(RECIPE)') \
+	  out=$$($(BIN)/python -c 'import sys; import mosaic; print(mosaic.load_recipe(sys.argv[1]).output_path())' '$(RECIPE)') \
 	    && [ -n "$$out" ] \
 	    || { echo "make release: cannot read the output folder of $(RECIPE) (see above); give OUT=dir or fix the recipe" >&2; exit 2; }; \
 	fi; \

@@ -337,7 +337,7 @@ def race_fetch_and_stream(case: str, hub: object, recipe: Path, home: Path, out:
 def case_stream(runs: int, size_gb: float) -> None:
     """A streamed build (ranges of the donor's selected tensors, the base's bytes) against downloading
     both sources whole and building from the cache, through a local hub look-alike that counts bytes."""
-    from tests.fakehub import FakeHub
+    from mosaic.testing.hub import FakeHub
 
     base = dataset(f"bytes-{size_gb}g-base", bytes_geometry(size_gb, 2, 1))
     donor = dataset(f"bytes-{size_gb}g-donor", bytes_geometry(size_gb, 3, 2))
@@ -589,7 +589,7 @@ def case_gguf_stream(runs: int, size_gb: float) -> None:
     """A streamed GGUF build (4 of 16 layers' routed experts from Q8_0) against fetching both quantizations
     and building from the cache, through a local hub look-alike that counts the bytes it serves; then the
     same arithmetic on a DeepSeek-class model's tensor table (:func:`deepseek_projection`)."""
-    from tests.fakehub import FakeHub
+    from mosaic.testing.hub import FakeHub
 
     base = gguf_dataset(f"gguf-{size_gb}g-Q4_0", "Q4_0", size_gb)
     donor = gguf_dataset(f"gguf-{size_gb}g-Q8_0", "Q8_0", size_gb)

@@ -1,6 +1,6 @@
 """GGUF sources from the hub: ``mosaic fetch`` downloads only the files of the recipe's quantization
 (a GGUF repository holds many), and the build and ``audit --sources`` find them in the cache offline.
-The hub is tests/fakehub.py on 127.0.0.1."""
+The hub is mosaic/testing/hub.py on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from mosaic._build.run import build
 from mosaic._hub.download import select_files
 from mosaic.cli.commands import main
 from mosaic.testing.gguf import write_llama_gguf
+from mosaic.testing.hub import FakeHub
 
-from .fakehub import FakeHub
 from .test_hub import files_of, hub, offline  # noqa: F401  (fixtures)
 
 REPO = "test-org/tiny-GGUF"

@@ -1,6 +1,6 @@
 """mosaic fetch / publish / make release with the real huggingface_hub client against a local fake hub.
 
-No internet: the hub is ``tests/fakehub.py`` on 127.0.0.1 (HF_ENDPOINT), the cache a tmp folder
+No internet: the hub is ``mosaic/testing/hub.py`` on 127.0.0.1 (HF_ENDPOINT), the cache a tmp folder
 (HF_HOME, HF_HUB_CACHE). In-process tests point huggingface_hub's constants there too, since it
 reads its environment at import; the subprocess tests use the environment alone.
 """
@@ -31,8 +31,7 @@ from mosaic._release.publishing import PublishError, compare_with_hub, publish, 
 from mosaic._sources.resolve import hub_snapshot
 from mosaic.cli.commands import main
 from mosaic.testing.exl3 import every_group_geometry
-
-from .fakehub import FakeHub
+from mosaic.testing.hub import FakeHub
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = every_group_geometry(bits=2, seed=1)
@@ -50,16 +49,7 @@ def files_of(folder: Path) -> dict[str, bytes]:
 
 
 def hub_env(fake: FakeHub, home: Path) -> dict[str, str]:
-    return {
-        "HF_ENDPOINT": fake.endpoint,
-        "HF_HOME": str(home),
-        "HF_HUB_CACHE": str(home / "hub"),
-        "HF_HUB_DISABLE_XET": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_TOKEN": TOKEN,
-        "HF_HUB_OFFLINE": "0",
-        "NO_PROXY": "127.0.0.1,localhost",
-    }
+    return {**fake.environment(home), "HF_TOKEN": TOKEN}
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Hub-native mosaics: census and plan from headers read by ranges, streamed builds, rebuilds of published mosaics.
 
-Against a local hub look-alike (tests/fakehub.py) that counts the bytes it serves, redirects LFS reads
+Against a local hub look-alike (mosaic/testing/hub.py) that counts the bytes it serves, redirects LFS reads
 to a storage URL as the real hub does, and can drop connections, corrupt files or name another commit.
 """
 
@@ -21,8 +21,8 @@ from mosaic._hub.partial import PartialSnapshot, _subtract
 from mosaic._hub.ranges import RangeReader
 from mosaic._release.publishing import publish
 from mosaic.cli.commands import main
+from mosaic.testing.hub import FakeHub
 
-from .fakehub import FakeHub
 from .test_hub import BASE, DONOR, REPO, files_of, hub, offline, published_base  # noqa: F401  (fixtures)
 
 DONOR_REPO = "test-org/donor-exl3"

@@ -45,7 +45,23 @@ class OutputError(MosaicError):
     """The output folder cannot be written (exists without --force, no space, unwritable parent)."""
 
 
+class SigningError(MosaicError):
+    """A key, a passphrase or the signing options are wrong, or the signer failed: exit 2."""
+
+
 class VerificationError(MosaicError):
     """What was written is not what was planned: exit status 1."""
 
     exit_code = 1
+
+
+class HostError(MosaicError):
+    """The machine refused an operation (a full disk, a permission, a file gone): exit status 2.
+
+    The public functions raise it in place of the :class:`OSError`, chained as its ``__cause__``, so that a
+    release script catches every failure with one ``except MosaicError``; the message is the command line's."""
+
+    @classmethod
+    def wrap(cls, e: OSError) -> HostError:
+        where = f"{e.filename}: " if e.filename else ""
+        return cls(f"{where}{e.strerror or e}")

@@ -30,9 +30,12 @@ def _noop(_: int) -> None:
 
 
 class Reporter:
-    """Hands out byte counters for named steps; does nothing when disabled."""
+    """Hands out byte counters for named steps; does nothing when disabled.
 
-    def __init__(self, progress: Progress | None) -> None:
+    The public API's ``progress=`` takes one: subclass it and override :meth:`step` to receive the counts
+    (a notebook's own bars, a CI log); ``step`` returns the function each chunk's count is passed to."""
+
+    def __init__(self, progress: Progress | None = None) -> None:
         self._p = progress
 
     def step(self, description: str, total: int) -> Advance:

@@ -91,8 +91,15 @@ def parse_donor_arg(text: str) -> tuple[str, str]:
     did, sep, src = text.partition("=")
     if not sep or not src:
         raise MosaicError(f"--donor: {text!r} is not ID=SRC")
+    return donor_pair(did, src)
+
+
+def donor_pair(did: str, src: str) -> tuple[str, str]:
+    """A donor given as its id and SRC, checked as ``--donor ID=SRC`` is."""
     if not _ID_RE.match(did) or did == "base":
         raise MosaicError(f"--donor: id {did!r}: donor ids are lowercase letters, digits, '_' and '-' (and not 'base')")
+    if not src:
+        raise MosaicError(f"--donor: {did}: no SRC given")
     return did, src
 
 

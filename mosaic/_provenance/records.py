@@ -37,7 +37,7 @@ SIGNATURE_NAME = "model.sig"
 HUB_ARTEFACTS = (".gitattributes", ".cache/huggingface")
 
 
-@dataclass
+@dataclass(frozen=True)
 class FileRecord:
     """One file: its relative name, size and SHA-256 (the unit of PROVENANCE ``files`` and manifests)."""
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from mosaic._base.errors import MosaicError
+from mosaic._base.errors import MosaicError, SigningError
 from mosaic._base.hashing import digest_file
 from mosaic._provenance.records import HUB_ARTEFACTS, SIGNATURE_NAME
 
@@ -52,10 +52,6 @@ CURVES = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}
 
 #: Where a passphrase comes from, for the messages that ask for one.
 PASSPHRASE_SOURCES = "--password-file FILE, the MOSAIC_KEY_PASSWORD variable, or typed on a terminal"
-
-
-class SigningError(MosaicError):
-    """A key, a passphrase or the signing options are wrong, or the signer failed: exit 2."""
 
 
 def is_ignored(name: str, ignore: Iterable[str] = IGNORE_PATHS) -> bool:

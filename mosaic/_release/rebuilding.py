@@ -69,6 +69,13 @@ def parse_source_override(text: str) -> tuple[str, Path]:
     return sid, Path(path).expanduser().absolute()
 
 
+def source_override(sid: str, path: str) -> tuple[str, Path]:
+    """A ``--source`` given as its id and folder, checked as ``--source ID=PATH`` is."""
+    if not sid or "=" in sid or not path:
+        raise SourceError(f"--source {sid}={path}: expected ID=PATH (a source id of the recipe and a folder)")
+    return sid, Path(path).expanduser().absolute()
+
+
 def _with_sources(recipe: Recipe, overrides: dict[str, Path]) -> Recipe:
     """The recipe with some sources read from local folders instead (the published files keep the
     recipe as written; only where the bytes are read from changes). For a GGUF source, a folder keeps

@@ -1,7 +1,9 @@
-"""The command line: a thin layer over the Python API.
+"""The command line: a thin layer over the Python API (:mod:`mosaic._api.functions`, ``import mosaic``).
 
-Every :class:`~mosaic._base.errors.MosaicError` becomes one ``mosaic: error: ...`` line on stderr and its
-exit status (2 bad input, 1 failed verification); ``--json`` output goes to stdout alone.
+Each command turns its flags into one API call's arguments and prints the result: ``--json`` prints
+``result.as_dict()`` on stdout alone, otherwise :mod:`mosaic.cli.render` draws it. Every
+:class:`~mosaic.MosaicError` becomes one ``mosaic: error: ...`` line on stderr and its exit status
+(2 bad input, 1 failed verification).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from typing import Any
 import click
 from rich.console import Console
 
-from mosaic._base.errors import MosaicError
+from mosaic._api import functions as api
+from mosaic._base.errors import MosaicError, SigningError
 from mosaic._base.literal import printable
 from mosaic._base.version import __version__
-from mosaic._provenance.records import column
 from mosaic.cli.render import stdout_console
 
 
@@ -47,32 +49,17 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _metadata_heavy(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a command with Python's cyclic garbage collector paused throughout (``bulk``).
-
-    A command on GLM-5.3-Flash keeps a few million small objects alive (headers, modules, records);
-    every full collection walks all of them again, ~0.3 s of a census outside the stages that already
-    pause it. Only for commands that read local files or a bounded number of header ranges: nothing
-    there makes reference cycles worth collecting before it exits (reference counting frees the rest
-    as it goes). Commands that talk to the hub at length (build --stream, rebuild, sign --sigstore)
-    pause it around their metadata stages only."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from mosaic._checkpoint.folder import bulk
-
-        with bulk():
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
 def _emit_json(doc: object) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
 
 
 def _console() -> Console:
     return stdout_console()
+
+
+def _bars(as_json: bool) -> bool:
+    """Progress bars on stderr when it is a terminal, never with ``--json``."""
+    return not as_json and sys.stderr.isatty()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -84,23 +71,10 @@ def main() -> None:
     return_freed_buffers()
 
 
-def _census_folder(directory: Path) -> tuple[Path, Any]:
-    """A local folder as it is; ``org/name@<40-hex commit>`` from the cache, else its headers read by ranges."""
-    from mosaic._recipe.document import parse_hub_ref
-
-    ref = None if directory.exists() else parse_hub_ref(str(directory))
-    if ref is None:
-        return directory, None
-    from mosaic._sources.resolve import hub_folder
-
-    return hub_folder(*ref)
-
-
 @main.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @_guarded
-@_metadata_heavy
 def census(directory: Path, as_json: bool) -> None:
     """Inspect one checkpoint: tensors, shards, codebook, bits per layer and module, problems.
 
@@ -110,42 +84,14 @@ def census(directory: Path, as_json: bool) -> None:
     (tensor types, bits per layer from each tensor's type). Exit 0 with no problems, 1 with problems,
     2 when the checkpoint cannot be read.
     """
-    from mosaic._checkpoint.census_exl3 import analyze, census_report
-    from mosaic._checkpoint.folder import open_checkpoint
-    from mosaic._checkpoint.gguf_model import is_gguf_location
-    from mosaic._sources.gguf import is_gguf_src
-    from mosaic.cli.render import render_census
+    from mosaic.cli.render import render_census, render_gguf_census
 
-    if not directory.exists() and is_gguf_src(str(directory)):  # org/name@<commit>:<file or glob>
-        from mosaic._checkpoint.census_gguf import gguf_census
-        from mosaic._sources.gguf import gguf_source, open_gguf_source
-        from mosaic.cli.render import render_gguf_census
-
-        snaps: dict = {}
-        rep = gguf_census(open_gguf_source(gguf_source(str(directory), "census", "base"), Path.cwd(), ranges=snaps))
-        rep["path"] = str(directory)
-        if snaps:
-            rep["hub_bytes_read"] = sum(s.reader.bytes_read for s in snaps.values())
-        render = render_gguf_census
-    elif directory.exists() and is_gguf_location(directory):  # a .gguf file, a split set's first file, a folder of one GGUF model
-        from mosaic._checkpoint.census_gguf import gguf_census
-        from mosaic._checkpoint.gguf_model import open_gguf_model
-        from mosaic.cli.render import render_gguf_census
-
-        rep = gguf_census(open_gguf_model(directory))
-        render = render_gguf_census
-    else:
-        folder, snap = _census_folder(directory)
-        rep = census_report(analyze(open_checkpoint(folder, headers_only=snap is not None)))
-        if snap is not None:
-            rep["path"] = str(directory)
-            rep["hub_bytes_read"] = snap.reader.bytes_read
-        render = render_census
+    res = api.census(directory)
     if as_json:
-        _emit_json(rep)
+        _emit_json(res.as_dict())
     else:
-        render(_console(), rep)
-    sys.exit(1 if rep["problems"] else 0)
+        (render_gguf_census if res.format == "gguf" else render_census)(_console(), dict(res.report))
+    sys.exit(0 if res.ok else 1)
 
 
 @main.command()
@@ -164,30 +110,13 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
     With --stream, a repo + revision source that is not in the local Hugging Face cache is not
     downloaded whole: its headers and configs, then exactly the tensors the mosaic takes, are read by
     HTTP ranges into a resumable cache ($HF_HOME/mosaic/ranges)."""
-    from mosaic._base.progress import reporter
-    from mosaic._build.run import build as run_build
     from mosaic.cli.render import render_build
 
-    with reporter(False if as_json else None) as progress:
-        res = run_build(recipe, out=out, force=force, jobs=jobs, link=link, stream=stream, progress=progress)
-    doc = res.provenance
-    summary = {
-        "output": str(res.out_dir),
-        "name": doc["name"],
-        "size": doc["size"],
-        "rate": doc["rate"],
-        "files": len(doc["files"]) + 2,
-        "tensors": len(doc["tensors"]),
-        "from_donors": sum(1 for s in column(doc["tensors"], "source") if s != "base"),
-        "shards": {name: method for name, method in res.splice.methods.items()},
-        "checks": doc["checks"],
-        "notes": res.notes,
-        "hub_bytes_read": res.streamed,
-    }
+    res = api.build(recipe, out=out, force=force, jobs=jobs, link=link, stream=stream, progress=_bars(as_json))
     if as_json:
-        _emit_json(summary)
+        _emit_json(res.as_dict())
     else:
-        render_build(_console(), summary)
+        render_build(_console(), res.as_dict())
 
 
 @main.command()
@@ -205,37 +134,17 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
 @click.option("--out", "out", type=click.Path(path_type=Path), help="Write the recipe here (sources relative to its folder).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
-@_metadata_heavy
 def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None, target_rate: str | None,
          layers: int | None, unit: str, out: Path | None, as_json: bool) -> None:
     """Choose which units to upgrade under a budget, exactly (not greedily), and write the recipe."""
-    from mosaic._plan.planner import PlanRequest, parse_donor_arg, parse_size, plan_mosaic
     from mosaic.cli.render import render_plan
 
-    req = PlanRequest(
-        base=base,
-        donors=[parse_donor_arg(d) for d in donors],
-        scores=scores,
-        max_size=parse_size(max_size) if max_size is not None else None,
-        target_rate=target_rate,
-        layers=layers,
-        unit=unit or "layer-experts",
-        out=out,
-        unit_explicit=unit is not None,
-    )
-    from mosaic._plan.gguf_planner import is_gguf_src
-
-    if is_gguf_src(base):  # a .gguf file, a folder of one GGUF model, or org/name@<commit>:<file>
-        from mosaic._plan.gguf_planner import plan_gguf_mosaic
-
-        report, _, _, notes = plan_gguf_mosaic(req)
-    else:
-        res = plan_mosaic(req)
-        report, notes = res.report, res.notes
+    res = api.plan(base=base, donors=list(donors), scores=scores, max_size=max_size,
+                   target_rate=target_rate, layers=layers, unit=unit, out=out)
     if as_json:
-        _emit_json(report)
+        _emit_json(res.as_dict())
     else:
-        render_plan(_console(), report, notes, str(out) if out else None)
+        render_plan(_console(), dict(res.report), list(res.notes), str(out) if out else None)
 
 
 @main.command()
@@ -259,7 +168,6 @@ def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None,
 @click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Files read at once (default: number of cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
-@_metadata_heavy
 def audit(directory: Path, sources: str | None, key: Path | None, identity: str | None, issuer: str | None,
           require_signature: bool, jobs: int | None, as_json: bool) -> None:
     """Verify a built mosaic from its files alone (or every mosaic below DIRECTORY).
@@ -268,36 +176,22 @@ def audit(directory: Path, sources: str | None, key: Path | None, identity: str 
     without them the audit reports it present but unverified. Exit 0 when every check passes, 1 when
     any fails, 2 when DIRECTORY is not a mosaic or a key cannot be used.
     """
-    from mosaic._audit.report import NotAMosaic, audit_report_json
-    from mosaic._audit.run import audit as run_audit
-    from mosaic._audit.run import find_mosaics
-    from mosaic._base.progress import reporter
-    from mosaic._provenance.signature import load_trust
     from mosaic.cli.render import render_audit
 
-    trust = load_trust(key, identity, issuer)
-    folders = find_mosaics(directory) if directory.is_dir() else []
-    if not folders:
-        raise NotAMosaic(f"{directory}: no mosaic here (no PROVENANCE.json, nor manifest.json with .gguf files, in it or below it)")
-    src: bool | str = False if sources is None else (True if sources == "-" else sources)
-    reports = []
-    with reporter(False if as_json else None) as progress:
-        for f in folders:
-            reports.append(run_audit(f, sources=src, jobs=jobs, progress=progress, trust=trust,
-                                     require_signature=require_signature))
-    doc = audit_report_json(reports)
+    src: bool | str | None = None if sources is None else (True if sources == "-" else sources)
+    res = api.audit(directory, sources=src, key=key, identity=identity, issuer=issuer,
+                    require_signature=require_signature, jobs=jobs, progress=_bars(as_json))
+    doc = res.as_dict()
     if as_json:
         _emit_json(doc)
     else:
         render_audit(_console(), doc)
-    sys.exit(0 if doc["ok"] else 1)
+    sys.exit(0 if res.ok else 1)
 
 
 def _passphrase(key: Path, password_file: Path | None) -> str | None:
     """A private key's passphrase: from --password-file, MOSAIC_KEY_PASSWORD, or typed on a terminal."""
     import os
-
-    from mosaic._provenance.signature import SigningError
 
     if password_file is not None:
         try:
@@ -342,26 +236,16 @@ def sign(directory: Path, key: Path | None, password_file: Path | None, sigstore
     digests of that read: every file but model.sig and the hub's .cache/huggingface/ records. Exit 0
     when signed, 1 when the audit fails, 2 on a key, passphrase or option problem.
     """
-    from mosaic._base.progress import reporter
-    from mosaic._provenance.signature import Signer, SigningError, Sigstore, load_signing_key
-    from mosaic._release.signing import sign as run_sign
-
-    if (key is None) == (not sigstore):
-        raise SigningError("give --key PRIVATE_KEY, or --sigstore for keyless signing (one of them)")
-    if password_file is not None and key is None:
-        raise SigningError("--password-file goes with --key")
-    signer: Signer = Sigstore() if key is None else load_signing_key(key, lambda: _passphrase(key, password_file))
-    src: bool | str = False if sources is None else (True if sources == "-" else sources)
-    with reporter(False if as_json else None) as progress:
-        res = run_sign(directory, signer, sources=src, force=force, jobs=jobs, progress=progress)
+    src: bool | str | None = None if sources is None else (True if sources == "-" else sources)
+    ask = (lambda: _passphrase(key, password_file)) if key is not None or password_file is not None else None
+    res = api.sign(directory, key=key, password=ask, sigstore=sigstore, sources=src, force=force, jobs=jobs,
+                   progress=_bars(as_json))
     if as_json:
         _emit_json(res.as_dict())
         return
-    from mosaic._base.literal import printable
-
-    c = res.report.counts
+    c = res.audit.counts
     click.echo(f"audit passed: {printable(directory)} ({c.get('files', 0)} files, {c.get('bytes', 0):,} bytes read once)")
-    click.echo(f"signed {printable(res.signed.path)}: {res.signed.files} files, with {printable(res.signed.by)}")
+    click.echo(f"signed {printable(res.signature)}: {res.files} files, with {printable(res.by)}")
     how = "--key PUBLIC_KEY" if key else "--identity IDENTITY --issuer ISSUER"
     click.echo(f"verify with: mosaic audit {printable(directory)} {how}")
 
@@ -381,24 +265,17 @@ def export() -> None:
 @click.option("--name", default=None, help="File name stem (default: the source folder's name).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
 @_guarded
-@_metadata_heavy
 def export_gguf_cmd(directory: Path, out: Path, split_max_size: str, no_tensor_first_split: bool,
                     name: str | None, as_json: bool) -> None:
     """Repackage DIRECTORY for ranma.cpp: EXL3 tensors bit for bit in GGUF shards, with manifest.json."""
-    from mosaic._base.progress import reporter
-    from mosaic._export.gguf import export_gguf, export_summary, parse_size
-
-    size = parse_size(split_max_size)
-    with reporter(False if as_json else None) as progress:
-        res = export_gguf(directory, out, split_max_size=size, no_tensor_first_split=no_tensor_first_split,
-                          name=name, progress=progress)
-    summary = export_summary(res)
+    res = api.export_gguf(directory, out, split_max_size=split_max_size, tensor_first_split=not no_tensor_first_split,
+                          name=name, progress=_bars(as_json))
     if as_json:
-        _emit_json(summary)
+        _emit_json(res.as_dict())
         return
     from mosaic.cli.render import render_export
 
-    render_export(_console(), summary)
+    render_export(_console(), res.as_dict())
 
 
 @main.command()
@@ -415,19 +292,13 @@ def fetch(recipe: Path, local_dir: Path | None, jobs: int | None, as_json: bool)
     so that a build need not hash an unchanged file again. With HF_HUB_OFFLINE=1 the cache is
     checked instead. Exit 1 when a file differs from the hub's digest (it is removed: fetch again).
     """
-    from mosaic._base.progress import reporter
-    from mosaic._hub.download import fetch as run_fetch
-
-    show = not as_json and sys.stderr.isatty()
-    with reporter(False if as_json else None) as progress:
-        got = run_fetch(recipe, local_dir=local_dir, jobs=jobs, progress=progress, show_hub_progress=show)
-    doc = {"ok": True, "sources": [s.as_dict() for s in got]}
+    res = api.fetch(recipe, local_dir=local_dir, jobs=jobs, progress=_bars(as_json))
     if as_json:
-        _emit_json(doc)
+        _emit_json(res.as_dict())
         return
     from mosaic.cli.render import render_fetch
 
-    render_fetch(_console(), got)
+    render_fetch(_console(), res.sources)
 
 
 @main.command()
@@ -449,13 +320,8 @@ def publish(directory: Path, repo: str, branch: str | None, private: bool, dry_r
     of every uploaded file is compared with sha256-manifest.txt (exit 1 on any difference) and the
     commit id is printed. The token comes from huggingface_hub's usual places (HF_TOKEN, `hf auth login`).
     """
-    from mosaic._base.progress import reporter
-    from mosaic._release.publishing import publish as run_publish
-
-    show = not as_json and sys.stderr.isatty()
-    with reporter(False if as_json else None) as progress:
-        res = run_publish(directory, repo, branch=branch, private=private, dry_run=dry_run, recipe_only=recipe_only, jobs=jobs,
-                          progress=progress, show_hub_progress=show)
+    res = api.publish(directory, repo, branch=branch, private=private, dry_run=dry_run, recipe_only=recipe_only,
+                      jobs=jobs, progress=_bars(as_json))
     if as_json:
         _emit_json(res.as_dict())
         return
@@ -482,14 +348,9 @@ def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | 
     needed byte ranges read from the hub. Every tensor is checked against PROVENANCE.json and every file
     against the manifest; on any mismatch nothing is kept (exit 1).
     """
-    from mosaic._base.progress import reporter
-    from mosaic._release.rebuilding import parse_source_override
-    from mosaic._release.rebuilding import rebuild as run_rebuild
     from mosaic.cli.render import render_rebuild
 
-    given = dict(parse_source_override(o) for o in overrides)
-    with reporter(False if as_json else None) as progress:
-        res = run_rebuild(ref, out=out, sources=given, jobs=jobs, progress=progress)
+    res = api.rebuild(ref, out=out, sources=list(overrides), jobs=jobs, progress=_bars(as_json))
     if as_json:
         _emit_json(res.as_dict())
     else:
@@ -521,13 +382,11 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
     and from the first candidate to each later one, rows improved / regressed on top-1, KL and NLL.
     GGUF models run on llama.cpp (CPU); EXL3 folders on exllamav3 (the exl3 extra and a CUDA GPU).
     """
-    from mosaic._base.progress import reporter
-    from mosaic._eval.run import EvalRequest, evaluate
     from mosaic.cli.render import render_eval
 
-    req = EvalRequest(list(candidates), reference, text, ctx, top_k, save_reference, verbose=verbose, threads=threads)
-    with reporter(False if as_json else None, unit="tokens") as progress:
-        doc = evaluate(req, progress)
+    res = api.evaluate(list(candidates), reference=reference, text=text, ctx=ctx, top_k=top_k,
+                       save_reference=save_reference, threads=threads, verbose=verbose, progress=_bars(as_json))
+    doc = res.as_dict()
     if as_json:
         _emit_json(doc)
     else:
@@ -560,14 +419,12 @@ def measure_cmd(base: str, donors: tuple[str, ...], reference: str, text: Path, 
                 threads: int | None, verbose: bool, as_json: bool) -> None:
     """Measure what each unit buys: every unit of the selected layers from every donor that has it, scored on
     the model against the teacher (KL, top-1, NLL deltas against the base, with their noise), for mosaic plan."""
-    from mosaic._base.progress import reporter
-    from mosaic._measure.run import MeasureRequest, measure
-    from mosaic._plan.planner import parse_donor_arg
     from mosaic.cli.render import render_measurement
 
-    req = MeasureRequest(base, [parse_donor_arg(d) for d in donors], reference, text, unit, only_layers, ctx, top_k, out, resume, force, workdir, threads, verbose)
-    with reporter(False if as_json else None, unit="candidates") as progress:
-        doc = measure(req, progress)
+    res = api.measure(base=base, donors=list(donors), reference=reference, text=text, unit=unit,
+                      only_layers=only_layers, ctx=ctx, top_k=top_k, out=out, workdir=workdir, resume=resume,
+                      force=force, threads=threads, verbose=verbose, progress=_bars(as_json))
+    doc = res.as_dict()
     if as_json:
         _emit_json(doc)
     else:

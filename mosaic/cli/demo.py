@@ -13,9 +13,10 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from mosaic._recipe.document import load_recipe
+from mosaic._api.functions import load_recipe
 from mosaic.cli import main as cli
 from mosaic.testing.exl3 import demo_geometry, write_checkpoint
+from mosaic.testing.keys import write_signing_key
 
 #: Illustrative per-layer scores (higher is better): what a measurement of each layer's gain from the
 #: 3-bit donor might say. The plan picks the best three layers, the ones recipes/demo.yaml takes.
@@ -50,18 +51,6 @@ def tour(demo_dir: Path, recipe: Path) -> list[tuple[str, list[str]]]:
     ]
 
 
-def write_demo_key(demo_dir: Path) -> None:
-    """A throwaway P-256 key pair for the tour's signing step (a real one is the publisher's own)."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    (demo_dir / "demo-signing.pem").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    (demo_dir / "demo-signing.pub").write_bytes(key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-
-
 def run(demo_dir: Path, recipe: Path) -> int:
     base, donor = demo_dir / "base-2bpw", demo_dir / "donor-3bpw"
     print(f"writing a synthetic 2-bit base to {base} and a 3-bit donor to {donor}")
@@ -69,7 +58,7 @@ def run(demo_dir: Path, recipe: Path) -> int:
     (base / "DOWNLOAD-SEAL.json").write_text('{"note": "a download seal of the base; not carried over"}\n')
     write_checkpoint(donor, demo_geometry(bits=3, head_bits=8, seed=2, style="library"))
     (demo_dir / "scores.json").write_text(json.dumps({"higher_is_better": True, "scores": DEMO_SCORES}, indent=2) + "\n")
-    write_demo_key(demo_dir)
+    write_signing_key(demo_dir, "demo-signing")
     runner = CliRunner()
     steps = tour(demo_dir, recipe)
     for i, (title, args) in enumerate(steps, 1):

@@ -17,9 +17,7 @@ from rich.table import Table
 from mosaic._base.literal import markup_literal as lit
 
 if TYPE_CHECKING:
-    from mosaic._hub.download import FetchedSnapshot
-    from mosaic._release.publishing import PublishResult
-    from mosaic._release.rebuilding import RebuildResult
+    from mosaic._api.results import FetchedSource, PublishResult, RebuildResult
 
 #: Lines are never wrapped when not on a terminal; tables are laid out as if the page were this wide.
 PLAIN_WIDTH = 1 << 14
@@ -285,7 +283,7 @@ def render_export(console: Console, summary: dict) -> None:
                       f"{om['vision_tensors']} vision-tower tensors")
 
 
-def render_fetch(console: Console, sources: list[FetchedSnapshot]) -> None:
+def render_fetch(console: Console, sources: tuple[FetchedSource, ...]) -> None:
     if not sources:
         console.print("no repo + revision sources in this recipe: nothing to fetch")
     for s in sources:
@@ -315,7 +313,7 @@ def render_publish(console: Console, res: PublishResult) -> None:
 
 
 def render_rebuild(console: Console, res: RebuildResult) -> None:
-    console.print(f"[bold green]rebuilt[/bold green] {lit(res.repo)}@{lit(res.revision)} in {lit(res.out_dir)}: "
+    console.print(f"[bold green]rebuilt[/bold green] {lit(res.repo)}@{lit(res.revision)} in {lit(res.out)}: "
                   f"{res.files} files, {res.tensors:,} tensors, every one equal to the published PROVENANCE.json and manifest")
     for sid, n in res.hub_bytes.items():
         what = "the published small files" if sid == "published" else f"source {lit(sid)} by ranges"

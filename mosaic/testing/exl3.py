@@ -686,3 +686,33 @@ def rewrite_shard(path: str | Path, drop: set[str] = frozenset(), patch: dict[st
         for f in tmpdir.iterdir():
             f.unlink()
         tmpdir.rmdir()
+
+
+#: The example recipe :func:`write_example` writes: two layers' routed experts and the head from the donor.
+EXAMPLE_RECIPE = """\
+name: example-mosaic
+base:
+  path: base
+donors:
+  q3:
+    path: donor
+replace:
+  - from: q3
+    layers: [1, 4]
+    modules: [mlp.experts]
+  - from: q3
+    keys: ["lm_head.*"]
+output:
+  dir: {out}
+"""
+
+
+def write_example(folder: str | Path) -> Path:
+    """A small EXL3 base (2 bpw) and donor (3 bpw) of one synthetic Qwen3-MoE-shaped model in ``folder/base`` and
+    ``folder/donor``, and a recipe splicing the two: returns ``folder/recipe.yaml`` (output: ``folder/out/...``)."""
+    root = Path(folder)
+    write_checkpoint(root / "base", demo_geometry(bits=2, seed=1))
+    write_checkpoint(root / "donor", demo_geometry(bits=3, head_bits=8, seed=2, style="library"))
+    recipe = root / "recipe.yaml"
+    recipe.write_text(EXAMPLE_RECIPE.format(out=json.dumps(str(root.absolute() / "out" / "example-mosaic"))))
+    return recipe

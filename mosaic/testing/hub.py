@@ -1,4 +1,4 @@
-"""A small Hugging Face Hub look-alike on 127.0.0.1 for tests: just the endpoints huggingface_hub calls.
+"""A small Hugging Face Hub look-alike on 127.0.0.1 for tests and examples: just the endpoints huggingface_hub calls.
 
 Covered: model info / revision, recursive tree listings with LFS metadata, ``resolve`` (HEAD and GET,
 with the X-Repo-Commit, ETag, X-Linked-Etag and X-Linked-Size headers the client relies on, and
@@ -20,10 +20,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
@@ -90,6 +93,37 @@ class FakeHub:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(timeout=5)
+
+    def environment(self, home: str | os.PathLike[str]) -> dict[str, str]:
+        """The variables that point huggingface_hub at this hub, with its cache and token under ``home``."""
+        home = Path(home)
+        return {
+            "HF_ENDPOINT": self.endpoint, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+            "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "hf_fake_token",
+            "HF_HUB_OFFLINE": "0", "NO_PROXY": "127.0.0.1,localhost",
+        }
+
+    def serve(self, home: str | os.PathLike[str]) -> FakeHub:
+        """Start serving and point this process at the hub until it exits (an example's whole life).
+
+        Sets :meth:`environment`, and, where huggingface_hub was imported before (it reads its variables once,
+        at import), its constants too."""
+        self.__enter__()
+        env = self.environment(home)
+        os.environ.update(env)
+        for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+            os.environ.pop(k, None)
+        constants = sys.modules.get("huggingface_hub.constants")
+        if constants is not None:
+            constants.ENDPOINT = self.endpoint
+            constants.HUGGINGFACE_CO_URL_TEMPLATE = self.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+            constants.HF_HOME = env["HF_HOME"]
+            constants.HF_HUB_CACHE = env["HF_HUB_CACHE"]
+            constants.HF_HUB_OFFLINE = False
+            constants.HF_HUB_DISABLE_XET = True
+            constants.HF_TOKEN_PATH = str(Path(home) / "token")
+            constants.HF_STORED_TOKENS_PATH = str(Path(home) / "stored_tokens")
+        return self
 
     # --- state ------------------------------------------------------------------------------------
     def _new_sha(self, seed: str) -> str:
@@ -370,3 +404,10 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self._error(404, None, f"no such endpoint: PUT {path}")
 
     return Handler
+
+
+def publish_folder(hub: FakeHub, repo_id: str, folder: str | os.PathLike[str], *, branch: str = "main") -> str:
+    """Commit every file of ``folder`` to ``repo_id`` on the fake hub, as an upload would; returns the commit."""
+    root = Path(folder)
+    files = {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return hub.commit(repo_id, files, branch=branch)
