@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import fields
 from functools import wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
@@ -450,8 +451,7 @@ def fetch(recipe: PathLike, *, local_dir: PathLike | None = None, jobs: int | No
     with _running(progress) as r:
         got = _fetch(recipe, local_dir=local_dir, jobs=jobs, progress=r, show_hub_progress=bool(progress) and not
                      isinstance(progress, Reporter))
-    return FetchResult(tuple(FetchedSource(s.repo, s.revision, s.folder, s.files, s.bytes, s.hashed, s.unchanged,
-                                           s.record, s.offline) for s in got))
+    return FetchResult(tuple(FetchedSource(**{f.name: getattr(s, f.name) for f in fields(FetchedSource)}) for s in got))
 
 
 @_host_errors
@@ -486,7 +486,7 @@ def publish(
         res = _publish(folder, repo, branch=branch, private=private, dry_run=dry_run, recipe_only=recipe_only,
                        jobs=jobs, progress=r, show_hub_progress=bool(progress) and not isinstance(progress, Reporter))
     return PublishResult(res.repo, res.branch, res.commit_message, tuple(res.files), res.dry_run, res.commit,
-                         tuple(res.deleted), res.verified, res.signature, res.as_dict())
+                         tuple(res.deleted), res.verified, res.signature)
 
 
 @_host_errors

@@ -14,7 +14,7 @@ into immutable objects would cost what the columns save, so the documents inside
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -271,9 +271,7 @@ class FetchedSource:
     offline: bool
 
     def as_dict(self) -> dict[str, object]:
-        return {"repo": self.repo, "revision": self.revision, "folder": str(self.folder), "files": self.files,
-                "bytes": self.bytes, "hashed": self.hashed, "unchanged": self.unchanged, "record": str(self.record),
-                "offline": self.offline}
+        return {f.name: str(v) if isinstance(v := getattr(self, f.name), Path) else v for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -307,12 +305,14 @@ class PublishResult:
     verified: bool
     #: the signature file uploaded with the mosaic, if it has one
     signature: str | None
-    _doc: Mapping[str, object] = _mapping(repr=False, compare=False, default_factory=dict)
-
-    __post_init__ = _view(("_doc",))
 
     def as_dict(self) -> dict[str, object]:
-        return dict(self._doc)
+        return {
+            "repo": self.repo, "branch": self.branch, "dry_run": self.dry_run, "commit": self.commit,
+            "commit_message": self.commit_message, "files": [f.as_dict() for f in self.files],
+            "bytes": sum(f.size for f in self.files), "deleted": list(self.deleted), "verified": self.verified,
+            "signature": self.signature,
+        }
 
 
 @dataclass(frozen=True)

@@ -110,10 +110,6 @@ def walk_folder(root: Path, rep: AuditReport) -> list[str]:
     return sorted(names)
 
 
-def audit_report_json(reports: list[AuditReport]) -> dict[str, object]:
-    return {"ok": all(r.ok for r in reports), "mosaics": [r.as_dict() for r in reports]}
-
-
 def check_manifest(rep: AuditReport, root: Path, files: list[str]) -> dict[str, str]:
     """The manifest against the folder, for every kind of mosaic: strictly parsed, every name a safe
     relative name, every other file listed and every listed file present. Returns name -> SHA-256."""

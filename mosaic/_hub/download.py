@@ -56,19 +56,6 @@ class FetchedSnapshot:
     record: Path
     offline: bool
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "repo": self.repo,
-            "revision": self.revision,
-            "folder": str(self.folder),
-            "files": self.files,
-            "bytes": self.bytes,
-            "hashed": self.hashed,
-            "unchanged": self.unchanged,
-            "record": str(self.record),
-            "offline": self.offline,
-        }
-
 
 def _discard(path: Path, storage: Path | None) -> None:
     """Remove a corrupted download so the next fetch downloads it again (its blob too, in the cache)."""

@@ -334,9 +334,6 @@ class Signed:
     files: int
     by: str
 
-    def as_dict(self) -> dict[str, object]:
-        return {"file": self.path.name, "path": str(self.path), "files": self.files, "by": self.by}
-
 
 def _first_line(e: BaseException) -> str:
     return (str(e).splitlines()[0] if str(e) else type(e).__name__)[:300]

@@ -62,20 +62,6 @@ class PublishResult:
         """The signature file uploaded with the mosaic, if it has one."""
         return SIGNATURE_NAME if any(f.name == SIGNATURE_NAME for f in self.files) else None
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "repo": self.repo,
-            "branch": self.branch,
-            "dry_run": self.dry_run,
-            "commit": self.commit,
-            "commit_message": self.commit_message,
-            "files": [f.as_dict() for f in self.files],
-            "bytes": sum(f.size for f in self.files),
-            "deleted": self.deleted,
-            "verified": self.verified,
-            "signature": self.signature,
-        }
-
 
 def upload_plan(folder: str | Path, recipe_only: bool = False) -> tuple[list[UploadItem], str]:
     """What publish uploads (every manifest entry and the manifest itself, or with ``recipe_only`` all

@@ -54,13 +54,6 @@ class RebuildResult:
     hub_bytes: dict[str, int] = field(default_factory=dict)
     local_sources: dict[str, str] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "output": str(self.out_dir), "repo": self.repo, "revision": self.revision, "files": self.files,
-            "tensors": self.tensors, "hub_bytes_read": self.hub_bytes, "local_sources": self.local_sources,
-            "identical": True,
-        }
-
 
 def parse_source_override(text: str) -> tuple[str, Path]:
     sid, sep, path = text.partition("=")

@@ -24,9 +24,6 @@ class SignResult:
     report: AuditReport
     signed: Signed
 
-    def as_dict(self) -> dict[str, object]:
-        return {"ok": True, "signature": self.signed.as_dict(), "audit": self.report.as_dict()}
-
 
 def sign(
     folder: str | Path,
