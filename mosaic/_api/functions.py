@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import fields
 from functools import wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
@@ -30,7 +29,6 @@ from mosaic._api.results import (
     CheckOutcome,
     EvalResult,
     ExportResult,
-    FetchedSource,
     FetchResult,
     FolderAudit,
     MeasureResult,
@@ -451,7 +449,7 @@ def fetch(recipe: PathLike, *, local_dir: PathLike | None = None, jobs: int | No
     with _running(progress) as r:
         got = _fetch(recipe, local_dir=local_dir, jobs=jobs, progress=r, show_hub_progress=bool(progress) and not
                      isinstance(progress, Reporter))
-    return FetchResult(tuple(FetchedSource(**{f.name: getattr(s, f.name) for f in fields(FetchedSource)}) for s in got))
+    return FetchResult(tuple(got))
 
 
 @_host_errors

@@ -13,20 +13,22 @@ into immutable objects would cost what the columns save, so the documents inside
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from mosaic._provenance.records import FileRecord
+# the wings' own frozen records, handed out as they are
+from mosaic._hub.fetched import FetchedSource as FetchedSource
+from mosaic._provenance.records import FileRecord as FileRecord
 
 
-def _view(fields: tuple[str, ...]):  # type: ignore[no-untyped-def]
+def _view(names: tuple[str, ...]) -> Callable[[object], None]:
     """A ``__post_init__`` making the named mapping fields read-only views of what was passed."""
 
     def post_init(self: object) -> None:
-        for name in fields:
+        for name in names:
             value = getattr(self, name)
             if value is not None and not isinstance(value, MappingProxyType):
                 object.__setattr__(self, name, MappingProxyType(dict(value)))
@@ -251,27 +253,6 @@ class ExportResult:
 
     def as_dict(self) -> dict[str, object]:
         return dict(self._summary)
-
-
-@dataclass(frozen=True)
-class FetchedSource:
-    """One pinned hub commit on this machine, every file checked against the hub's own digest."""
-
-    repo: str
-    revision: str
-    folder: Path
-    files: int
-    bytes: int
-    #: files hashed now; the others were unchanged since an earlier fetch verified them
-    hashed: int
-    unchanged: int
-    #: the record of the verified digests (a build reads it instead of hashing again)
-    record: Path
-    #: ``HF_HUB_OFFLINE=1``: the cache was checked, nothing downloaded
-    offline: bool
-
-    def as_dict(self) -> dict[str, object]:
-        return {f.name: str(v) if isinstance(v := getattr(self, f.name), Path) else v for f in fields(self)}
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mosaic._base.errors import SourceError, VerificationError
 from mosaic._base.hashing import parallel_map
 from mosaic._base.progress import SILENT, Reporter
+from mosaic._hub.fetched import FetchedSource
 from mosaic._hub.snapshot import (
     RECORD_SCHEMA,
     LocalDigest,
@@ -42,19 +42,6 @@ from mosaic._hub.snapshot import (
     unchanged_since_record,
     write_record,
 )
-
-
-@dataclass
-class FetchedSnapshot:
-    repo: str
-    revision: str
-    folder: Path
-    files: int
-    bytes: int
-    hashed: int
-    unchanged: int
-    record: Path
-    offline: bool
 
 
 def _discard(path: Path, storage: Path | None) -> None:
@@ -99,7 +86,7 @@ def fetch_snapshot(
     progress: Reporter = SILENT,
     show_hub_progress: bool = False,
     files: list[str] | None = None,
-) -> FetchedSnapshot:
+) -> FetchedSource:
     """Download ``repo`` at the pinned ``revision`` (or find it in the cache offline) and verify every file.
 
     Raises SourceError (exit 2) for an unpinned revision, an unreachable hub or an incomplete snapshot
@@ -194,7 +181,7 @@ def fetch_snapshot(
             + "; ".join(bad)
             + "; run `mosaic fetch` again to download them again"
         )
-    return FetchedSnapshot(
+    return FetchedSource(
         repo, revision, folder, len(listing), sum(h.size for h in listing.values()), len(todo), len(reuse), rec_path, offline
     )
 
@@ -220,7 +207,7 @@ def fetch(
     jobs: int | None = None,
     progress: Reporter = SILENT,
     show_hub_progress: bool = False,
-) -> list[FetchedSnapshot]:
+) -> list[FetchedSource]:
     """Fetch and verify every ``repo`` + ``revision`` source of a recipe (each pinned commit once)."""
     from mosaic._recipe.document import load_recipe
 
