@@ -70,7 +70,7 @@ def _req(smol: dict[str, Path], out: Path, **kw: object) -> MeasureRequest:
 def by_layer(smol: dict[str, Path]) -> Path:
     """Every layer from Q8_0, each scored on its own."""
     out = smol["dir"] / "layers.json"
-    measure(_req(smol, out, unit="layer"))
+    measure(_req(smol, out, unit="layer", method="swaps"))
     return out
 
 
@@ -87,8 +87,10 @@ def test_the_document_is_what_the_contract_says(by_layer: Path, smol: dict[str, 
 
     doc = json.loads(by_layer.read_text())
     assert validation_errors(doc) == []
-    assert doc["schema"] == "mosaic.measurement/v1" and doc["format"] == "gguf"
-    assert doc["settings"] == {"unit": "layer", "ctx": CTX, "top_k": 16, "layers": None, "kl": {"kind": "top-k lower bound", "k": 16}}
+    assert doc["schema"] == "mosaic.measurement/v2" and doc["format"] == "gguf"
+    assert doc["settings"] == {"unit": "layer", "ctx": CTX, "top_k": 16, "layers": None, "kl": {"kind": "top-k lower bound", "k": 16},
+                               "method": "swaps", "calibrate": "units", "weights_reference": "teacher", "dkl": "nats"}
+    assert doc["forward_passes"] == 1 + 1 + 30  # the teacher, the base, one candidate per layer
     assert [r["layer"] for r in doc["results"]] == list(range(30)) and {r["donor"] for r in doc["results"]} == {"q8"}
     assert doc["base"]["bytes"] == smol["Q2_K"].stat().st_size and doc["base"]["kl"] > 0
     assert doc["runtime"]["threads"] >= 1 and doc["reference"]["kind"] == "model"
@@ -98,7 +100,8 @@ def test_the_document_is_what_the_contract_says(by_layer: Path, smol: dict[str, 
                                      "sha256": hashlib.sha256(smol["Q2_K"].read_bytes()).hexdigest()}]
     for r in doc["results"]:
         assert r["dkl"] == pytest.approx(r["kl"] - doc["base"]["kl"], abs=1e-12)
-        assert r["dkl_se"] >= 0 and r["dbytes"] > 0
+        assert r["dkl_se"] >= 0 and r["dbytes"] > 0 and r["predicted"] is False
+        assert 0 <= r["eps"] < r["eps_base"]  # Q8_0's layer is nearer the teacher than Q2_K's
     # the last layer buys the most of any (as measured on this model by hand, too)
     assert min(doc["results"], key=lambda r: r["dkl"])["layer"] in (29, 0, 28)
     assert sum(r["dkl"] < 0 for r in doc["results"]) > 20
@@ -133,7 +136,8 @@ def test_dbytes_is_the_built_size_growth_and_dkl_is_what_eval_gives(smol: dict[s
     saved = tmp_path / "teacher.npz"
     evaluate(EvalRequest([], str(smol["teacher"]), smol["measure"], ctx=CTX, top_k=16, save_reference=saved))
     out = tmp_path / "m.json"
-    doc = measure(_req(smol, out, reference=str(saved), ctx=None, top_k=None, unit="module-group", only_layers="3"))
+    doc = measure(_req(smol, out, reference=str(saved), ctx=None, top_k=None, unit="module-group", only_layers="3",
+                       method="swaps"))
     assert doc["reference"]["kind"] == "saved" and doc["settings"]["layers"] == [3]
     groups = [r["group"] for r in doc["results"]]
     assert groups == sorted(groups) and set(groups) == {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
@@ -152,7 +156,7 @@ def test_interrupted_resumed_and_refused_when_an_input_changed(smol: dict[str, P
     out = tmp_path / "m.json"
     args = ["measure", "--base", str(smol["Q2_K"]), "--donor", f"q8={smol['Q8_0']}", "--reference", str(smol["teacher"]),
             "--text", str(smol["measure"]), "--unit", "module-group", "--only-layers", "0", "--ctx", str(CTX), "--top-k", "16",
-            "--out", str(out)]
+            "--method", "swaps", "--out", str(out)]
     r = run_cli(args, fault="candidate:3:int", timeout=600)
     assert r.returncode == 130 and r.stderr.strip().splitlines()[-1] == "mosaic: interrupted", r.stderr
     journal = tmp_path / "m.json.partial"
@@ -172,7 +176,7 @@ def test_interrupted_resumed_and_refused_when_an_input_changed(smol: dict[str, P
     assert r.returncode == 0, r.stderr
     resumed = json.loads(r.stdout)
     assert not journal.exists() and json.loads(out.read_text()) == resumed
-    fresh = measure(_req(smol, tmp_path / "fresh.json", unit="module-group", only_layers="0"))
+    fresh = measure(_req(smol, tmp_path / "fresh.json", unit="module-group", only_layers="0", method="swaps"))
     assert [(x["group"], x["dkl"]) for x in resumed["results"]] == [(x["group"], x["dkl"]) for x in fresh["results"]]
     r = run_cli(args)
     assert r.returncode == 2 and "exists; --force" in r.stderr
@@ -181,7 +185,8 @@ def test_interrupted_resumed_and_refused_when_an_input_changed(smol: dict[str, P
 def test_a_donor_with_the_bases_own_bytes_is_not_run(smol: dict[str, Path], tmp_path: Path) -> None:
     twin = tmp_path / "twin.gguf"
     shutil.copyfile(smol["Q2_K"], twin)
-    doc = measure(_req(smol, tmp_path / "m.json", donors=[("same", str(twin))], unit="module-group", only_layers="1"))
+    doc = measure(_req(smol, tmp_path / "m.json", donors=[("same", str(twin))], unit="module-group", only_layers="1",
+                       method="swaps"))
     assert doc["results"] and all(r["same_as_base"] and r["dkl"] == 0 and r["dbytes"] == 0 for r in doc["results"])
     assert doc["seconds_per_candidate"] is None
 
@@ -267,6 +272,24 @@ def test_exl3_sources_without_a_gpu_are_one_line(tmp_path: Path) -> None:
     assert "GPU" in r.stderr or "exl3" in r.stderr
 
 
+def fake_reconstruct(shard: Path, key: str, rows: int):  # type: ignore[no-untyped-def]
+    """A stand-in for exllamav3's reconstruction of an EXL3 linear (which needs a CUDA GPU): the same weights
+    for every version of a module, plus an error drawn from the version's own trellis bytes that halves with
+    each bit, [out, in] float32, ``rows`` rows at a time."""
+    import zlib
+
+    import numpy as np
+    from safetensors import safe_open
+
+    with safe_open(str(shard), framework="numpy") as f:
+        trellis = f.get_tensor(f"{key}.trellis")
+    n_in, n_out = trellis.shape[0] * 16, trellis.shape[1] * 16
+    w = np.random.default_rng(zlib.crc32(key.encode())).standard_normal((n_out, n_in)).astype(np.float32)
+    w += np.random.default_rng(zlib.crc32(trellis.tobytes())).standard_normal(w.shape).astype(np.float32) * 2.0 ** -(trellis.shape[-1] / 16)
+    for a in range(0, n_out, rows):
+        yield w[a:a + rows]
+
+
 class FakeExl3Scorer:
     """A stand-in for exllamav3 on a GPU behind the same interface: a candidate's KL falls by a fixed amount
     per layer and donor, so the plan's choice is known; every row moves alike."""
@@ -283,13 +306,11 @@ class FakeExl3Scorer:
         return {"kl": {"mean": kl}, "top1": 0.5 + (1 - kl) / 10, "nll": 3 + kl,
                 "rows": [{"kl": kl + 0.001 * i, "top1": 0.5, "nll": 3.0} for i in range(self.rows)]}
 
-    def base(self) -> dict:
-        return self._panel(1.0)
-
-    def candidate(self, unit: int, donor: str) -> dict:
-        self.calls.append((unit, donor))
-        layer = self.units[unit].layer
-        return self._panel(1.0 - (0.02 if layer in (1, 4) else 0.005) * (2 if donor == "q4" else 1))
+    def score(self, versions: dict[int, str], name: str) -> dict:
+        """Each unit at a donor's version lowers the KL by a fixed amount (layers 1 and 4 the most, q4 twice q3)."""
+        self.calls.append(dict(versions))
+        gain = sum((0.02 if self.units[u].layer in (1, 4) else 0.005) * (2 if d == "q4" else 1) for u, d in versions.items())
+        return self._panel(1.0 - gain)
 
     def close(self) -> None:
         pass
@@ -300,6 +321,7 @@ def test_exl3_measurement_with_a_stand_in_runtime_plans_and_builds(tmp_path: Pat
     import numpy as np
 
     import mosaic._measure.sides as sides
+    import mosaic._measure.weights as weights
     from mosaic._eval.reference import Reference
     from mosaic._eval.rows import load_rows
     from mosaic.testing.exl3 import demo_geometry, write_checkpoint
@@ -315,14 +337,18 @@ def test_exl3_measurement_with_a_stand_in_runtime_plans_and_builds(tmp_path: Pat
     monkeypatch.setattr(sides, "EXL3_SCORER", FakeExl3Scorer)
     monkeypatch.setattr(sides, "EXL3_RUNTIME", lambda: dict(FakeExl3Scorer.runtime))
     out = tmp_path / "m.json"
+    monkeypatch.setattr(weights, "EXL3_RECONSTRUCT", fake_reconstruct)
     r = CliRunner().invoke(main, ["measure", "--base", str(base), "--donor", f"q3={q3}", "--donor", f"q4={q4}",
-                                  "--reference", str(tmp_path / "teacher.npz"), "--text", str(text), "--out", str(out), "--json"])
+                                  "--reference", str(tmp_path / "teacher.npz"), "--text", str(text), "--out", str(out),
+                                  "--method", "swaps", "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["format"] == "exl3" and doc["settings"]["unit"] == "layer-experts"
     assert [(x["layer"], x["donor"]) for x in doc["results"]] == [(i, d) for i in range(6) for d in ("q3", "q4")]
     assert all(x["group"] == "mlp.experts" for x in doc["results"])
-    assert doc["runtime"]["name"] == "fake-exllamav3" and len(FakeExl3Scorer.last.calls) == 12  # type: ignore[attr-defined]
+    assert doc["runtime"]["name"] == "fake-exllamav3" and len(FakeExl3Scorer.last.calls) == 1 + 12  # type: ignore[attr-defined]
+    assert doc["settings"]["weights_reference"] == "most-bits"  # a saved reference holds no weights
+    assert all(x["eps"] < x["eps_base"] for x in doc["results"])
     # dbytes is the growth of the mosaic the build lays out, headers included
     one = tmp_path / "one.yaml"
     one.write_text(f"name: one\nbase:\n  path: {base}\ndonors:\n  q4:\n    path: {q4}\nreplace:\n"
@@ -361,3 +387,44 @@ def test_relative_paths_any_donor_id_and_stale_work(smol: dict[str, Path], tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["measurement.json"]  # the stale work folder is gone too
     r = CliRunner().invoke(main, [*args, "--resume", "--force"])
     assert r.exit_code == 2 and "give one of them" in r.stderr
+
+
+def test_exl3_top_down_with_stand_ins_calibrates_from_the_top(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default method on EXL3 (exllamav3 needs a GPU: its reconstruction and its runs stood in for): the
+    top holds every unit at its lowest-error version, each drop is that unit's effect, the predictions scale
+    it by the weight errors, and the plan takes the units that matter."""
+    import numpy as np
+
+    import mosaic._measure.sides as sides
+    import mosaic._measure.weights as weights
+    from mosaic._eval.reference import Reference
+    from mosaic._eval.rows import load_rows
+    from mosaic.testing.exl3 import demo_geometry, write_checkpoint
+
+    base = write_checkpoint(tmp_path / "base", demo_geometry(bits=2, seed=1))
+    q3 = write_checkpoint(tmp_path / "q3", demo_geometry(bits=3, seed=2))
+    q4 = write_checkpoint(tmp_path / "q4", demo_geometry(bits=4, seed=3))
+    text = tmp_path / "rows.txt"
+    text.write_text("one row\nanother row\nthird\n")
+    Reference("teacher", load_rows(text).sha256, {"n_vocab": 8}, 16, 2, [np.arange(5, dtype=np.int32)] * 3,
+              np.zeros((12, 2), np.int32), np.full((12, 2), -1.0, np.float32)).save(tmp_path / "teacher.npz")
+    monkeypatch.setattr(sides, "EXL3_SCORER", FakeExl3Scorer)
+    monkeypatch.setattr(sides, "EXL3_RUNTIME", lambda: dict(FakeExl3Scorer.runtime))
+    monkeypatch.setattr(weights, "EXL3_RECONSTRUCT", fake_reconstruct)
+    out = tmp_path / "m.json"
+    doc = measure(MeasureRequest(str(base), [("q3", str(q3)), ("q4", str(q4))], str(tmp_path / "teacher.npz"), text, out=out))
+    assert doc["format"] == "exl3" and doc["settings"]["method"] == "top-down"
+    assert set(doc["top"]["versions"].values()) == {"q4"}  # 4 bits: the lowest weight error everywhere
+    calls = FakeExl3Scorer.last.calls  # type: ignore[attr-defined]
+    assert calls[0] == {} and len(calls[1]) == 6 and all(len(c) == 5 for c in calls[2:]) and len(calls) == 2 + 6
+    drops = {m["layer"]: m["dkl_drop"] for m in doc["measured"]}
+    assert drops == pytest.approx({i: 0.04 if i in (1, 4) else 0.01 for i in range(6)})
+    for r in doc["results"]:
+        m = next(x for x in doc["measured"] if x["layer"] == r["layer"])
+        assert r["dkl"] == pytest.approx(-m["dkl_drop"] * (r["eps_base"] - r["eps"]) / (m["eps_base"] - m["eps_top"]))
+    plain = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    budget = plain + sum(x["dbytes"] for x in doc["results"] if x["donor"] == "q4" and x["layer"] in (1, 4))
+    r = CliRunner().invoke(main, ["plan", "--base", str(base), "--donor", f"q3={q3}", "--donor", f"q4={q4}", "--scores", str(out),
+                                  "--max-size", str(budget), "--json"])
+    assert r.exit_code == 0, r.output
+    assert [(c["layer"], c["donor"]) for c in json.loads(r.stdout)["chosen"]] == [(1, "q4"), (4, "q4")]

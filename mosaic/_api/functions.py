@@ -573,14 +573,18 @@ def evaluate(
 @_host_errors
 def measure(
     *,
-    base: PathLike,
-    donors: Donors,
-    reference: PathLike,
-    text: PathLike,
+    base: PathLike | None = None,
+    donors: Donors | None = None,
+    reference: PathLike | None = None,
+    text: PathLike | None = None,
+    method: str = "top-down",
+    calibrate: str = "units",
     unit: str | None = None,
     only_layers: str | Sequence[int] | None = None,
     ctx: int | None = None,
     top_k: int | None = None,
+    shard: str | None = None,
+    merge: Sequence[PathLike] | None = None,
     out: PathLike = "measurement.json",
     workdir: PathLike | None = None,
     resume: bool = False,
@@ -589,11 +593,19 @@ def measure(
     verbose: bool = False,
     progress: Progress = False,
 ) -> MeasureResult:
-    """Measure what each unit buys on the model itself: every unit of the selected layers from every donor that
-    has it, scored against the teacher (KL, top-1 and NLL against the base, with their noise) and written to
-    ``out`` as a ``mosaic.measurement/v1`` document for :func:`plan`. ``unit``: ``layer``, ``layer-experts``
-    or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list. Each result is kept durably in
-    ``<out>.partial`` as it finishes; ``resume`` continues one with the same inputs; ``force`` replaces.
+    """Measure what each unit buys from each donor, on the model itself, and write it to ``out`` as a
+    ``mosaic.measurement/v2`` document for :func:`plan`.
+
+    ``method``: ``"top-down"`` (the default: every unit's weight error at every version, read from the files;
+    the top model, every unit at its best version; one candidate per unit, the top with that unit back at the
+    base's version, which calibrates how much the model feels that unit's error; every (unit, donor) ``dkl``
+    predicted from both), ``"weights"`` (the weight errors alone, nothing runs: no ``reference`` needed, no
+    ``text``) or ``"swaps"`` (every "base + one unit from one donor" run). ``calibrate``: ``"units"`` (each
+    unit its own) or ``"kinds"`` (each kind of unit pooled over ``only_layers``, given to every layer).
+    ``unit``: ``layer``, ``layer-experts`` or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list.
+    ``shard``: ``"K/N"``, this run's share of the candidates; ``merge``: the shards' documents to join
+    (then no other input). Each result is kept durably in ``<out>.partial`` as it finishes; ``resume``
+    continues one with the same inputs; ``force`` replaces.
 
     >>> from mosaic.testing.gguf import Geometry, write_llama_gguf
     >>> g = Geometry(n_layer=2)
@@ -603,12 +615,24 @@ def measure(
     ...                    text=tmp / "rows.txt", ctx=16, unit="layer", out=tmp / "measurement.json")
     >>> sorted((r["layer"], r["donor"]) for r in m.results)
     [(0, 'q8'), (1, 'q8')]
-    >>> all(r["dbytes"] > 0 for r in m.results)  # what each unit costs, exactly as the build lays it out
+    >>> all(r["dbytes"] > 0 and r["eps"] < r["eps_base"] for r in m.results)  # exact bytes, smaller weight errors
     True
+    >>> m.document["forward_passes"]  # the teacher, the base, the top and one drop per layer
+    5
     """
     from mosaic._measure.run import MeasureRequest
     from mosaic._measure.run import measure as _measure
 
+    if merge is not None:
+        from mosaic._measure.shards import merge as _merge
+
+        given = [k for k, v in (("base", base), ("donors", donors), ("reference", reference), ("text", text),
+                                ("shard", shard), ("only_layers", only_layers)) if v is not None]
+        if given:
+            raise MosaicError(f"--merge joins the shards' documents alone: {', '.join(given)} not used")
+        return MeasureResult(Path(out), _merge([Path(p) for p in merge], Path(out), force=force))
+    if base is None:
+        raise MosaicError("give --base SRC (or --merge PART.json ...)")
     _in_range("--ctx", ctx, 2, 1 << 20)
     _in_range("--top-k", top_k, 1, 1 << 16)
     _in_range("--threads", threads, 1, 1024)
@@ -618,8 +642,9 @@ def measure(
         raise MosaicError("--only-layers: an empty list of layers (None measures every layer)")
     else:
         layers = ",".join(str(int(la)) for la in only_layers)
-    req = MeasureRequest(os.fspath(base), _donor_list(donors), os.fspath(reference), Path(text), unit, layers, ctx,
-                         top_k, Path(out), resume, force, None if workdir is None else Path(workdir), threads, verbose)
+    req = MeasureRequest(os.fspath(base), _donor_list(donors or []), None if reference is None else os.fspath(reference),
+                         None if text is None else Path(text), unit, layers, ctx, top_k, Path(out), resume, force,
+                         None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard)
     with _running(progress, unit="candidates") as r:
         doc = _measure(req, r)
     return MeasureResult(Path(out), doc)

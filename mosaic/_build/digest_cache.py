@@ -10,7 +10,8 @@ unchanged identity fails the build. What an entry alone vouches for is the file 
 PROVENANCE.json for a source shard that is not copied whole.
 
 Entries live in ``$MOSAIC_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mosaic/digests``, else
-``~/.cache/mosaic/digests``), never beside a source; ``MOSAIC_NO_DIGEST_CACHE=1`` turns the cache off.
+``~/.cache/mosaic/digests``), never beside a source; ``MOSAIC_NO_DIGEST_CACHE=1`` turns the cache off (and
+the weight errors kept under ``weights/`` in the same folder).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ if TYPE_CHECKING:
 _VERSION = 1
 
 
-def _root() -> Path | None:
+def cache_root() -> Path | None:
+    """mosaic's cache folder (``None`` when turned off): the digests, and beside them what else is derived
+    from files by their digests alone (the weight errors of ``mosaic measure``)."""
     if os.environ.get("MOSAIC_NO_DIGEST_CACHE"):
         return None
     explicit = os.environ.get("MOSAIC_CACHE_DIR")
@@ -64,7 +67,7 @@ class Entry:
 
 def lookup(path: str | os.PathLike[str]) -> Entry | None:
     """The cached digests of ``path`` if its identity is what it was when they were computed."""
-    root = _root()
+    root = cache_root()
     if root is None:
         return None
     real = os.path.realpath(path)
@@ -87,7 +90,7 @@ def lookup(path: str | os.PathLike[str]) -> Entry | None:
 
 def store(path: str | os.PathLike[str], sha256: str, tensors: dict[str, str], *, identity_before: list[int] | None) -> None:
     """Remember digests computed from ``path``; skipped if the file changed while it was read."""
-    root = _root()
+    root = cache_root()
     if root is None:
         return
     real = os.path.realpath(path)

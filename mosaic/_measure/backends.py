@@ -1,15 +1,17 @@
 """What scores a measurement's candidates: one small interface, one implementation per format.
 
-A scorer is made once per measurement, scores the base once, then each candidate "base + unit from
-donor" against the teacher's saved top-k, as ``mosaic eval`` scores a model against a saved reference
-(the KL lower bound), and hands back its panel (:func:`mosaic._eval.panel.summarize`). GGUF runs on
-llama.cpp on the CPU, its candidates made of laid-out parts (:mod:`.parts`); EXL3 runs on exllamav3 on a
-CUDA GPU, swapping a unit's modules in memory.
+A scorer is made once per measurement and scores models that are the base with some units at a donor's
+version (``{unit index: donor id}``: ``{}`` is the base, one entry a one-unit swap, every unit the top
+model) against the teacher's saved top-k, as ``mosaic eval`` scores a model against a saved reference (the
+KL lower bound), handing back the panel (:func:`mosaic._eval.panel.summarize`). GGUF runs on llama.cpp on
+the CPU, its candidates made of laid-out parts (:mod:`.parts`); EXL3 runs on exllamav3 on a CUDA GPU, each
+candidate built as a mosaic of links.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -27,9 +29,7 @@ from mosaic._plan.gguf_units import Unit
 class Scorer(Protocol):
     runtime: dict
 
-    def base(self) -> dict: ...
-
-    def candidate(self, unit: int, donor: str) -> dict: ...
+    def score(self, versions: Mapping[int, str], name: str) -> dict: ...
 
     def close(self) -> None: ...
 
@@ -37,14 +37,14 @@ class Scorer(Protocol):
 class GGUFScorer:
     """Candidates as links to parts laid out once; each loaded by llama.cpp by its first part's name."""
 
-    def __init__(self, base: GGUFModel, donors: dict[str, GGUFModel], units: list[Unit], runs: list[tuple[int, str]],
+    def __init__(self, base: GGUFModel, donors: dict[str, GGUFModel], units: list[Unit], pairs: Iterable[tuple[int, str]],
                  ref: Reference, rows: Rows, workdir: Path, *, threads: int | None = None, verbose: bool = False,
                  progress: Reporter = SILENT) -> None:
         self._rt = get_runtime(threads=threads, verbose=verbose)
         self.runtime = self._rt.info.as_dict()
         self._ref = ref
-        self._parts: Parts = lay_out(workdir, base, units, donors, runs, progress)
-        first = self._parts.candidate(None, None)
+        self._parts: Parts = lay_out(workdir, base, units, donors, pairs, progress)
+        first = self._parts.candidate({})
         self._check = check_gguf(first)  # the laid-out base, strictly, split keys and all
         self.batch = batch_size(ref.ctx, self._check.n_vocab or 1)
         b = self._open(first, base.describe())
@@ -63,11 +63,8 @@ class GGUFScorer:
         finally:
             b.close()
 
-    def base(self) -> dict:
-        return self._score(self._parts.candidate(None, None), "base")
-
-    def candidate(self, unit: int, donor: str) -> dict:
-        return self._score(self._parts.candidate(unit, donor), f"unit {unit} from {donor}")
+    def score(self, versions: Mapping[int, str], name: str) -> dict:
+        return self._score(self._parts.candidate(versions), name)
 
     def close(self) -> None:
         pass
@@ -78,7 +75,7 @@ class Exl3Scorer:
     the unit's tensors are hard links, only those that do are written (of the order of the unit's shards, not
     of the model); it is loaded by exllamav3 and scored, then removed."""
 
-    def __init__(self, base: object, donors: dict[str, object], units: list, todo: list[tuple[int, str]], ref: Reference,
+    def __init__(self, base: object, donors: dict[str, object], units: list, pairs: Iterable[tuple[int, str]], ref: Reference,
                  rows: Rows, work: Path, progress: Reporter = SILENT) -> None:
         require_exl3_gpu("mosaic measure")
         import importlib.metadata
@@ -101,29 +98,31 @@ class Exl3Scorer:
         finally:
             b.close()
 
-    def base(self) -> dict:
-        return self._score(self._base.ckpt.root, "base")  # type: ignore[attr-defined]
-
-    def candidate(self, unit: int, donor: str) -> dict:
+    def score(self, versions: Mapping[int, str], name: str) -> dict:
         import shutil
 
         import yaml
 
         from mosaic._build.run import build
 
-        u = self._units[unit]
-        rule: dict[str, object] = {"from": donor, "layers": [u.layer]}
-        if u.pattern:
-            rule["modules"] = [u.pattern]
+        if not versions:
+            return self._score(self._base.ckpt.root, name)  # type: ignore[attr-defined]
+        rules: list[dict[str, object]] = []
+        for ui, donor in sorted(versions.items()):
+            u = self._units[ui]
+            rule: dict[str, object] = {"from": donor, "layers": [u.layer]}
+            if u.pattern:
+                rule["modules"] = [u.pattern]
+            rules.append(rule)
         recipe = self._work / "candidate.yaml"
         recipe.write_text(yaml.safe_dump({
             "name": "candidate", "base": {"path": str(self._base.ckpt.root.resolve())},  # type: ignore[attr-defined]
-            "donors": {donor: {"path": str(self._donors[donor].ckpt.root.resolve())}},  # type: ignore[attr-defined]
-            "replace": [rule]}, sort_keys=False))
+            "donors": {d: {"path": str(self._donors[d].ckpt.root.resolve())} for d in sorted(set(versions.values()))},  # type: ignore[attr-defined]
+            "replace": rules}, sort_keys=False))
         out = self._work / "candidate"
         try:
             build(recipe, out=out, force=True, link=True)
-            return self._score(out, f"layer {u.layer} from {donor}")
+            return self._score(out, name)
         finally:
             shutil.rmtree(out, ignore_errors=True)
 

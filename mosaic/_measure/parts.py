@@ -4,8 +4,9 @@ llama.cpp loads a split set by its first file and finds the other parts by name 
 (``<stem>-0000k-of-0000N.gguf``; each part's ``split.no`` must be its place). So the base is laid out once
 as N parts: the first holds the metadata and every tensor that is no unit's, each other part one unit's
 tensors. Each donor's version of each unit it is measured on is laid out once too, as a part with the
-same ``split.no``. A candidate "base + unit u from donor d" is a folder of links to the base's parts with
-part u linked to the donor's instead: its disk writes are one link, whatever the model's size.
+same ``split.no``. A candidate — "base + unit u from donor d", the top model (every unit at its best
+version), the top with one unit back at the base's — is a folder of links to the base's parts with some
+linked to a donor's instead: its disk writes are a few links, whatever the model's size.
 
 Every part is read back by the strict GGUF reader once it is written, and its tensors' bytes compared
 with their source ranges as they are copied (a copy that differs from its source is refused).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,13 +48,13 @@ class Parts:
     def name(self, i: int) -> str:
         return split_name(STEM, i + 1, self.count)
 
-    def candidate(self, unit: int | None, donor: str | None) -> Path:
-        """The first file of the candidate "base + ``unit`` from ``donor``" (``None``: the base itself):
-        one folder of links, one of which is swapped per candidate."""
+    def candidate(self, versions: Mapping[int, str]) -> Path:
+        """The first file of the model that holds unit ``u`` at donor ``versions[u]``'s version and every other
+        unit at the base's (``{}``: the base itself): one folder of links, re-pointed where they differ."""
         d = self.candidate_dir
         assert d is not None
         for i, target in enumerate(self.base):
-            want = self.donor[(unit, donor)] if (unit is not None and i == unit + 1) else target  # type: ignore[index]
+            want = self.donor[(i - 1, versions[i - 1])] if i and (i - 1) in versions else target
             link = d / self.name(i)
             if not link.is_symlink() or os.readlink(link) != str(want):
                 tmp = d / f".{self.name(i)}.tmp"
@@ -62,10 +64,10 @@ class Parts:
         return d / self.name(0)
 
 
-def part_bytes(base: GGUFModel, units: list[Unit], donors: dict[str, GGUFModel], runs: list[tuple[int, str]]) -> int:
-    """Bytes the layout writes: the base once, each (unit, donor) measured once."""
+def part_bytes(base: GGUFModel, units: list[Unit], donors: dict[str, GGUFModel], pairs: Iterable[tuple[int, str]]) -> int:
+    """Bytes the layout writes: the base once, each (unit, donor) version a candidate takes once."""
     total = base.size
-    for ui, sid in runs:
+    for ui, sid in sorted(set(pairs)):
         dt = donors[sid].by_name()
         total += sum(dt[n].nbytes for n in units[ui].tensors) + 4096
     return total
@@ -80,8 +82,10 @@ def check_space(folder: Path, need: int) -> None:
 
 
 def lay_out(root: Path, base: GGUFModel, units: list[Unit], donors: dict[str, GGUFModel],
-            runs: list[tuple[int, str]], progress: Reporter = SILENT) -> Parts:
-    """Write the parts into the new folder ``root``; ``runs`` lists the (unit index, donor) pairs measured."""
+            pairs: Iterable[tuple[int, str]], progress: Reporter = SILENT) -> Parts:
+    """Write the parts into the new folder ``root``; ``pairs`` lists the (unit index, donor) versions some
+    candidate takes."""
+    pairs = sorted(set(pairs))
     in_unit = {n for u in units for n in u.tensors}
     count = len(units) + 1
     total = len(base.tensors)
@@ -89,7 +93,7 @@ def lay_out(root: Path, base: GGUFModel, units: list[Unit], donors: dict[str, GG
     root = root.resolve()  # the candidates' links point here: absolute, whatever the working folder
     root.mkdir(parents=True)
     parts.root = root
-    advance = progress.step("laying out the parts once", part_bytes(base, units, donors, runs))
+    advance = progress.step("laying out the parts once", part_bytes(base, units, donors, pairs))
     meta = [kv for kv in base.metadata.values()]
     first = [t for t in base.tensors if t.name not in in_unit]
     parts.base.append(_write(root / "base" / parts.name(0), meta + _split_keys(0, count, total), base, first, advance))
@@ -97,7 +101,7 @@ def lay_out(root: Path, base: GGUFModel, units: list[Unit], donors: dict[str, GG
     for i, u in enumerate(units):
         ts = [by_name[n] for n in u.tensors]
         parts.base.append(_write(root / "base" / parts.name(i + 1), _split_keys(i + 1, count, total), base, ts, advance))
-    for ui, sid in runs:
+    for ui, sid in pairs:
         d = donors[sid]
         dn = d.by_name()
         ts = [dn[n] for n in units[ui].tensors]

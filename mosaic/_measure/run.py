@@ -1,11 +1,19 @@
-"""``mosaic measure``: every unit of the selected layers × every donor that has it, scored on the model.
+"""``mosaic measure``: what each unit of a model buys from each donor, by one of three methods.
 
-The teacher runs exactly once (its top-k kept, as ``mosaic eval --save-reference`` keeps it), the base once,
-then each candidate "base + that one unit from that donor" against the teacher's top-k, on the rows of the
-text, as ``mosaic eval`` scores a model against a saved reference. A unit whose donor bytes equal the base's
-is not run. Each result is made durable as it finishes (:mod:`.journal`); ``--out`` is written only when
-every candidate has run. Sources' digests come from the digest cache (or the hub's digests that
-``mosaic fetch`` verified) and are hashed only when neither knows them.
+- ``top-down`` (the default): the weight errors of every unit at every version (:mod:`.weights`, from the
+  files), then the *top* model — every unit of the kind at its lowest-error version — and one candidate per
+  selected unit: the top with that unit dropped back to the base's version. The drops calibrate how much
+  the model feels each unit's weight error (:mod:`.calibrate`), and every (unit, donor) result is predicted
+  from it. Forward passes: the teacher, the base, the top, one per selected unit.
+- ``weights``: the weight errors alone, nothing runs (``dkl`` is a weight error, not nats).
+- ``swaps``: every candidate "base + that one unit from that donor" run and measured (the v1 measurement).
+
+The teacher runs exactly once (its top-k kept, as ``mosaic eval --save-reference`` keeps it), every
+candidate is scored against that top-k on the rows of the text, as ``mosaic eval`` scores a model against a
+saved reference. Each result is made durable as it finishes (:mod:`.journal`); ``--out`` is written only
+when every candidate has run. ``--shard K/N`` runs every N-th candidate; :mod:`.shards` joins the parts into
+the document one run would have written. Sources' digests come from the digest cache (or the hub's digests
+that ``mosaic fetch`` verified) and are hashed only when neither knows them.
 """
 
 from __future__ import annotations
@@ -28,22 +36,36 @@ from mosaic._build.run import fsync_dir
 from mosaic._eval.reference import Reference, is_reference_file, load_reference
 from mosaic._eval.rows import Rows, load_rows
 from mosaic._eval.run import DEFAULT_CTX, DEFAULT_TOP_K, EvalRequest, evaluate
+from mosaic._eval.runtime import default_threads
 from mosaic._hub.partial import atomic_write
 from mosaic._measure.backends import Scorer
+from mosaic._measure.calibrate import (
+    BASE,
+    complete,
+    kind_of,
+    measured_record,
+    predicted,
+    top_versions,
+    unit_key,
+)
 from mosaic._measure.journal import Journal, journal_path
 from mosaic._measure.parts import check_space
+from mosaic._measure.shards import Shard, in_shard, parse_shard
 from mosaic._measure.sides import Side, exl3_side, gguf_side
-from mosaic._plan.gguf_units import Unit
+from mosaic._measure.weights import Errors
 from mosaic._plan.measurement import SCHEMA_ID, dumps, validation_errors
 from mosaic._sources.gguf import is_gguf_src
+
+METHODS = ("top-down", "weights", "swaps")
+CALIBRATIONS = ("units", "kinds")
 
 
 @dataclass
 class MeasureRequest:
     base: str
     donors: list[tuple[str, str]]
-    reference: str
-    text: Path
+    reference: str | None
+    text: Path | None
     unit: str | None = None
     only_layers: str | None = None
     ctx: int | None = None
@@ -54,6 +76,9 @@ class MeasureRequest:
     workdir: Path | None = None
     threads: int | None = None
     verbose: bool = False
+    method: str = "top-down"
+    calibrate: str = "units"
+    shard: str | None = None
 
 
 def _remove_stale_work(workdir: Path, name: str) -> None:
@@ -81,11 +106,42 @@ def _se(a: list[float], b: list[float]) -> float:
     return statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
 
 
+def _check_request(req: MeasureRequest) -> Shard | None:
+    """Everything that can be refused before a source is opened."""
+    if req.method not in METHODS:
+        raise MosaicError(f"--method {req.method}: one of {', '.join(METHODS)}")
+    if req.calibrate not in CALIBRATIONS:
+        raise MosaicError(f"--calibrate {req.calibrate}: one of {', '.join(CALIBRATIONS)}")
+    if req.calibrate == "kinds" and req.method != "top-down":
+        raise MosaicError(f"--calibrate kinds calibrates the drops of --method top-down, not of --method {req.method}")
+    if req.calibrate == "kinds" and not req.only_layers:
+        raise MosaicError("--calibrate kinds needs --only-layers: the layers whose units are measured to calibrate each kind")
+    shard = parse_shard(req.shard) if req.shard is not None else None
+    if req.method == "weights":
+        given = [flag for flag, v in (("--text", req.text), ("--ctx", req.ctx), ("--top-k", req.top_k)) if v is not None]
+        if given:
+            raise MosaicError(f"--method weights runs no model: {', '.join(given)} not used (they go with top-down or swaps)")
+        if shard is not None:
+            raise MosaicError("--shard: --method weights runs no candidate to share out")
+    else:
+        if req.reference is None:
+            raise MosaicError(f"--method {req.method} needs --reference: the teacher the candidates are scored against")
+        if req.text is None:
+            raise MosaicError(f"--method {req.method} needs --text: the rows the candidates are scored on")
+    if not req.donors:
+        raise MosaicError("give at least one --donor ID=SRC")
+    ids = [d for d, _ in req.donors]
+    if len(set(ids)) != len(ids):
+        raise MosaicError(f"--donor {next(d for d in ids if ids.count(d) > 1)}: given twice")
+    return shard
+
+
 def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
     started = time.monotonic()
     out = Path(req.out)
     jpath = journal_path(out)
     teacher_path = jpath.with_name(jpath.name + ".teacher.npz")
+    shard = _check_request(req)
     if out.exists() and not req.force:
         raise OutputError(f"{out}: exists; --force replaces it")
     if req.resume and req.force:
@@ -94,53 +150,128 @@ def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
         raise MosaicError(f"--resume: no interrupted measurement at {jpath}")
     if jpath.exists() and not req.resume and not req.force:
         raise OutputError(f"{jpath}: an interrupted measurement is here; --resume continues it, --force starts over")
-    if not req.donors:
-        raise MosaicError("give at least one --donor ID=SRC")
-    ids = [d for d, _ in req.donors]
-    if len(set(ids)) != len(ids):
-        raise MosaicError(f"--donor {next(d for d in ids if ids.count(d) > 1)}: given twice")
 
-    rows = load_rows(req.text)  # cheap checks first: the side hashes the sources
+    rows = load_rows(req.text) if req.text is not None else None  # cheap checks first: the side hashes the sources
     side = gguf_side(req, progress) if is_gguf_src(req.base) else exl3_side(req, progress)
-    only = side.layers
+    measured_units = _measured_units(req, side)
 
-    saved = is_reference_file(req.reference)
-    if saved:
+    reference: dict | None = None
+    ctx = k = None
+    if req.reference is not None and is_reference_file(req.reference):
         ref0 = load_reference(req.reference)
-        if ref0.text_sha256 != rows.sha256:
+        if rows is not None and ref0.text_sha256 != rows.sha256:
             raise MosaicError(f"{req.reference}: saved for another text (sha256 {ref0.text_sha256}), not {req.text}")
         for flag, mine, theirs in (("--ctx", req.ctx, ref0.ctx), ("--top-k", req.top_k, ref0.k)):
             if mine is not None and mine != theirs:
                 raise MosaicError(f"{req.reference}: saved with {flag} {theirs}, not {mine}")
-        ctx, k = ref0.ctx, ref0.k
+        if req.method != "weights":
+            ctx, k = ref0.ctx, ref0.k
         reference = {"source": req.reference, "kind": "saved", "model": ref0.model, "sha256": _sha256(Path(req.reference)),
                      "runtime": ref0.runtime}
-    else:
-        ctx, k = req.ctx or DEFAULT_CTX, req.top_k or DEFAULT_TOP_K
+    elif req.reference is not None:
+        if req.method != "weights":
+            ctx, k = req.ctx or DEFAULT_CTX, req.top_k or DEFAULT_TOP_K
         reference = {"source": req.reference, "kind": "model", "model": req.reference,
                      "files": side.reference_files(req.reference, progress)}
-    runtime = side.runtime
-    base_files, donor_files = side.base_files, side.donor_files
-    runs = side.runs
-    if not runs:
-        raise MosaicError("no donor has any unit of the selected layers")
-    layers = sorted(only) if only is not None else None
-    settings = {"unit": side.unit, "ctx": ctx, "top_k": k, "layers": layers, "kl": {"kind": "top-k lower bound", "k": k}}
-    fingerprint = {"format": side.format, "base": base_files, "donors": donor_files, "text": rows.sha256,
-                   "reference": {key: v for key, v in reference.items() if key != "source"},
+    threads = req.threads or default_threads()
+    errors = side.weight_errors(req.reference, threads, progress)
+    layers = sorted(side.layers) if side.layers is not None else None
+    settings: dict = {"unit": side.unit, "ctx": ctx, "top_k": k, "layers": layers,
+                      "kl": None if k is None else {"kind": "top-k lower bound", "k": k},
+                      "method": req.method, "calibrate": req.calibrate, "weights_reference": errors.reference,
+                      "dkl": "weight error" if req.method == "weights" else "nats"}
+    plan = _Plan(side, errors, req.method, measured_units, shard)
+    if shard is not None:
+        settings["shard"] = {"k": shard.k, "n": shard.n, "units": [unit_key(side.units[u].layer, side.units[u].group)
+                                                                    for u in measured_units]}
+    head = _head(req, side, reference, rows, settings)
+    if req.method == "weights":
+        rows = [_row(side, errors, ui, d) for ui in side.selected for d in side.versions[ui][1:]]
+        doc = {**head, "runtime": None, "seconds": round(time.monotonic() - started, 3), "seconds_per_candidate": None,
+               "forward_passes": 0, "results": [{**r, **predicted(None, r["eps_base"], r["eps"], None)} for r in rows]}
+        return _write(doc, out)
+    runtime = side.runtime()
+    fingerprint = {"format": side.format, "base": side.base_files, "donors": side.donor_files,
+                   "text": rows.sha256 if rows is not None else None,
+                   "reference": {key: v for key, v in (reference or {}).items() if key != "source"},
                    "settings": settings, "runtime": runtime, "tool": __version__}
     if req.force:
         jpath.unlink(missing_ok=True)
         teacher_path.unlink(missing_ok=True)
     journal = Journal.resume(jpath, fingerprint) if req.resume else Journal.start(jpath, fingerprint)
     try:
-        return _run(req, journal, side, rows, reference, teacher_path, settings, out, started, progress)
+        assert rows is not None and reference is not None
+        return _run(req, journal, plan, rows, reference, teacher_path, {**head, "runtime": runtime}, out, started, progress)
     finally:
         journal.close()
 
 
+def _measured_units(req: MeasureRequest, side: Side) -> list[int]:
+    """The units whose candidates run: the selected ones; under ``--calibrate kinds`` also the units outside
+    the layers (``token_embd``, ``output``: kinds of their own). Every kind of the model must be among them."""
+    units = list(side.selected)
+    if req.calibrate == "kinds":
+        units += [i for i, u in enumerate(side.units) if u.layer is None and i not in units]
+        have = {kind_of(side.units[i].group) for i in units}
+        for u in side.units:
+            k = kind_of(u.group)
+            if k not in have:
+                where = sorted({x.layer for x in side.units if kind_of(x.group) == k and x.layer is not None})
+                raise MosaicError(f"--calibrate kinds: the kind {k} (layers {where[0]}-{where[-1]}) is in none of --only-layers "
+                                  f"{req.only_layers}; add a layer that has it")
+    return sorted(units)
+
+
+class _Plan:
+    """What runs: the versions of the top, the candidates of this run (its shard), the laid-out versions."""
+
+    def __init__(self, side: Side, errors: Errors, method: str, measured_units: list[int], shard: Shard | None) -> None:
+        self.side, self.errors, self.method = side, errors, method
+        self.measured_units = measured_units
+        mine = [u for i, u in enumerate(measured_units) if shard is None or in_shard(i, shard)]
+        self.top = top_versions(side.versions, errors.eps, side.dbytes) if method == "top-down" else None
+        if self.top is not None:
+            self.top_map = {ui: v for ui, v in enumerate(self.top) if v != BASE}
+            self.drops = [ui for ui in mine if self.top[ui] != BASE]  # a unit whose best version is the base's: no drop
+            self.pairs = set(self.top_map.items())
+            self.swaps: list[tuple[int, str]] = []
+        else:
+            self.top_map = {}
+            self.drops = []
+            self.swaps = [(ui, d) for ui in mine for d in side.versions[ui][1:]]
+            self.pairs = set(self.swaps)
+        self.mine = mine
+        self.shard = shard
+
+
+def _head(req: MeasureRequest, side: Side, reference: dict | None, rows: Rows | None, settings: dict) -> dict:
+    return {
+        "schema": SCHEMA_ID,
+        "tool": {"name": "mosaic", "version": __version__},
+        "format": side.format,
+        "base": {"source": req.base, "files": side.base_files, "bytes": side.base_bytes, "kl": None, "top1": None, "nll": None},
+        "donors": {d: {"source": src, "files": side.donor_files[d]} for d, src in req.donors},
+        "reference": reference,
+        "text": None if rows is None else {"file": str(req.text), "sha256": rows.sha256, "rows": len(rows.texts), "positions": 0},
+        "settings": settings,
+    }
+
+
+def _row(side: Side, errors: Errors, ui: int, donor: str, measured: dict | None = None) -> dict:
+    """A result in the document's field order: its unit, donor, bytes and weight errors, with the measured
+    figures (a swap that ran) or, left ``None``, the ones a prediction fills in."""
+    u = side.units[ui]
+    row = {"layer": u.layer, "group": u.group, "donor": donor, "dbytes": side.dbytes[(ui, donor)], "kl": None, "dkl": None,
+           "dkl_se": None, "dtop1": None, "dnll": None, "eps": errors.eps[(ui, donor)], "eps_base": errors.eps[(ui, BASE)],
+           "predicted": measured is None, "tensors": list(u.tensors)}
+    if measured:
+        row.update(measured)
+    return row
+
+
 def _teacher(req: MeasureRequest, journal: Journal, reference: dict, teacher_path: Path, ctx: int, k: int,
              progress: Reporter) -> Reference:
+    assert req.reference is not None and req.text is not None
     if reference["kind"] == "saved":
         return load_reference(req.reference)
     done = [r for r in journal.records if r["kind"] == "teacher"]
@@ -159,48 +290,75 @@ def _teacher(req: MeasureRequest, journal: Journal, reference: dict, teacher_pat
     return load_reference(teacher_path)
 
 
-def _run(req: MeasureRequest, journal: Journal, side: Side, rows: Rows, reference: dict, teacher_path: Path,
-         settings: dict, out: Path, started: float, progress: Reporter) -> dict:
-    units, runs = side.units, side.runs
+def _panel_record(kind: str, p: dict, t0: float, **extra: object) -> dict:
+    return {"kind": kind, **extra, "kl": p["kl"]["mean"], "top1": p["top1"], "nll": p["nll"],
+            "rows": [[r["kl"], r["top1"], r["nll"]] for r in p["rows"]], "seconds": time.monotonic() - t0}
+
+
+def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, reference: dict, teacher_path: Path,
+         head: dict, out: Path, started: float, progress: Reporter) -> dict:
+    side = plan.side
+    units = side.units
+    settings = head["settings"]
     ref = _teacher(req, journal, reference, teacher_path, settings["ctx"], settings["top_k"], progress)
-    done = {(r["layer"], r["group"], r["donor"]): r for r in journal.records if r["kind"] == "result"}
-    same = [(ui, d) for ui, d in runs if (units[ui].layer, units[ui].group, d) not in done and side.same_bytes(ui, d)]
-    todo = [(ui, d) for ui, d in runs if (units[ui].layer, units[ui].group, d) not in done and (ui, d) not in same]
-    base_rec = next((r for r in journal.records if r["kind"] == "base"), None)
+    recs = journal.records
+    base_rec = next((r for r in recs if r["kind"] == "base"), None)
+    top_rec = next((r for r in recs if r["kind"] == "top"), None)
+    done = {(r["layer"], r["group"], r["donor"]) for r in recs if r["kind"] == "result"}
+    dropped = {(r["layer"], r["group"]) for r in recs if r["kind"] == "drop"}
+    same = [(ui, d) for ui, d in plan.swaps if (units[ui].layer, units[ui].group, d) not in done and side.same_bytes(ui, d)]
+    swaps = [(ui, d) for ui, d in plan.swaps if (units[ui].layer, units[ui].group, d) not in done and (ui, d) not in same]
+    drops = [ui for ui in plan.drops if (units[ui].layer, units[ui].group) not in dropped]
+    need_top = plan.top is not None and top_rec is None
     workdir = (Path(req.workdir) if req.workdir is not None else out.parent).resolve()
     scorer: Scorer | None = None
     work: Path | None = None
     try:
-        if todo or base_rec is None:
-            check_space(workdir, side.space_needed(todo))
+        if swaps or drops or base_rec is None or need_top:
+            check_space(workdir, side.space_needed(plan.pairs))
             _remove_stale_work(workdir, out.name)
             work = workdir / f".{out.name}.measure-{os.getpid()}"
             shutil.rmtree(work, ignore_errors=True)
-            scorer = side.scorer(todo, ref, rows, work, req, progress)
+            scorer = side.scorer(plan.pairs, ref, rows, work, req, progress)
         if base_rec is None:
             assert scorer is not None
             t0 = time.monotonic()
-            p = scorer.base()
-            base_rec = {"kind": "base", "kl": p["kl"]["mean"], "top1": p["top1"], "nll": p["nll"],
-                        "rows": [[r["kl"], r["top1"], r["nll"]] for r in p["rows"]], "seconds": time.monotonic() - t0}
+            base_rec = _panel_record("base", scorer.score({}, "base"), t0)
             journal.add(base_rec)
-        b_rows = list(zip(*base_rec["rows"])) if base_rec["rows"] else ([], [], [])
+        if need_top:
+            assert scorer is not None
+            t0 = time.monotonic()
+            top_rec = _panel_record("top", scorer.score(plan.top_map, "top"), t0)
+            journal.add(top_rec)
+        b_kl = [r[0] for r in base_rec["rows"]]
         for ui, d in same:
             u = units[ui]
-            journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "dbytes": side.dbytes[(ui, d)],
-                         "kl": base_rec["kl"], "dkl": 0.0, "dkl_se": 0.0, "dtop1": 0.0, "dnll": 0.0, "same_as_base": True,
-                         "seconds": 0.0})
-        advance = progress.step(f"{len(todo)} candidates ({len(done)} measured before)", len(todo))
-        for ui, d in todo:
+            journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "kl": base_rec["kl"], "dkl": 0.0,
+                         "dkl_se": 0.0, "dtop1": 0.0, "dnll": 0.0, "same_as_base": True, "seconds": 0.0})
+        todo = len(swaps) + len(drops)
+        advance = progress.step(f"{todo} candidates ({len(done) + len(dropped)} measured before)", todo)
+        for ui, d in swaps:
             assert scorer is not None
             u = units[ui]
             t0 = time.monotonic()
-            p = scorer.candidate(ui, d)
+            p = scorer.score({ui: d}, f"{u.describe()} from {d}")
             c_kl = [r["kl"] for r in p["rows"]]
-            journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "dbytes": side.dbytes[(ui, d)],
-                         "kl": p["kl"]["mean"], "dkl": p["kl"]["mean"] - base_rec["kl"], "dkl_se": _se(c_kl, list(b_rows[0])),
+            journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "kl": p["kl"]["mean"],
+                         "dkl": p["kl"]["mean"] - base_rec["kl"], "dkl_se": _se(c_kl, b_kl),
                          "dtop1": p["top1"] - base_rec["top1"], "dnll": p["nll"] - base_rec["nll"],
                          "seconds": time.monotonic() - t0})
+            fault_point("candidate")
+            advance(1)
+        for ui in drops:
+            assert scorer is not None and top_rec is not None
+            u = units[ui]
+            versions = {x: v for x, v in plan.top_map.items() if x != ui}
+            t0 = time.monotonic()
+            p = scorer.score(versions, f"the top with {u.describe()} at the base's version")
+            c_kl = [r["kl"] for r in p["rows"]]
+            rec = _panel_record("drop", p, t0, layer=u.layer, group=u.group)
+            rec["dkl_drop_se"] = _se(c_kl, [r[0] for r in top_rec["rows"]])
+            journal.add(rec)
             fault_point("candidate")
             advance(1)
     finally:
@@ -208,41 +366,69 @@ def _run(req: MeasureRequest, journal: Journal, side: Side, rows: Rows, referenc
             scorer.close()
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
-    results = {(r["layer"], r["group"], r["donor"]): r for r in journal.records if r["kind"] == "result"}
-    order = [(units[ui].layer, units[ui].group, d) for ui, d in runs]
-    cand_seconds = [results[key]["seconds"] for key in order if not results[key].get("same_as_base")]
-    doc = {
-        "schema": SCHEMA_ID,
-        "tool": {"name": "mosaic", "version": __version__},
-        "format": side.format,
-        "base": {"source": req.base, "files": side.base_files, "bytes": side.base_bytes, "kl": base_rec["kl"],
-                 "top1": base_rec["top1"], "nll": base_rec["nll"]},
-        "donors": {d: {"source": src, "files": side.donor_files[d]} for d, src in req.donors},
-        "reference": reference,
-        "text": {"file": str(req.text), "sha256": ref.text_sha256, "rows": len(ref.row_tokens),
-                 "positions": int(ref.top_ids.shape[0])},
-        "settings": settings,
-        "runtime": side.runtime,
-        "seconds": round(time.monotonic() - started, 3),
-        "seconds_per_candidate": round(statistics.mean(cand_seconds), 3) if cand_seconds else None,
-        "results": [_result(results[key], units[ui]) for key, (ui, _) in zip(order, runs)],
-    }
+    doc = _document(plan, journal.records, head, ref)
+    doc["seconds"] = round(time.monotonic() - started, 3)
+    out_doc = _write(doc, out)
+    journal.close()
+    journal.path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        teacher_path.unlink()
+    return out_doc
+
+
+def _document(plan: _Plan, records: list[dict], head: dict, ref: Reference) -> dict:
+    side, errors = plan.side, plan.errors
+    units = side.units
+    base_rec = next(r for r in records if r["kind"] == "base")
+    doc = dict(head)
+    doc["base"] = {**head["base"], "kl": base_rec["kl"], "top1": base_rec["top1"], "nll": base_rec["nll"]}
+    doc["text"] = {**head["text"], "sha256": ref.text_sha256, "rows": len(ref.row_tokens), "positions": int(ref.top_ids.shape[0])}
+    teacher_runs = 1 if head["reference"]["kind"] == "model" else 0
+    if plan.top is None:  # swaps: every result measured
+        res = {(r["layer"], r["group"], r["donor"]): r for r in records if r["kind"] == "result"}
+        rows = []
+        ran = []
+        for ui, d in plan.swaps:
+            u = units[ui]
+            r = res[(u.layer, u.group, d)]
+            row = _row(side, errors, ui, d, {k: r[k] for k in ("kl", "dkl", "dkl_se", "dtop1", "dnll")})
+            if r.get("same_as_base"):
+                row["same_as_base"] = True
+            else:
+                ran.append(r["seconds"])
+            rows.append(row)
+        doc.update({"seconds": 0.0, "seconds_per_candidate": round(statistics.mean(ran), 3) if ran else None,
+                    "forward_passes": teacher_runs + 1 + len(ran), "results": rows})
+        return doc
+    top_rec = next(r for r in records if r["kind"] == "top")
+    drops = {(r["layer"], r["group"]): r for r in records if r["kind"] == "drop"}
+    measured = []
+    for ui in plan.drops:
+        u = units[ui]
+        r = drops[(u.layer, u.group)]
+        measured.append(measured_record(u.layer, u.group, r["kl"], r["top1"], r["nll"], top_rec["kl"], r["dkl_drop_se"],
+                                        errors.eps[(ui, BASE)], errors.eps[(ui, plan.top[ui])]))  # type: ignore[index]
+    calibrate = head["settings"]["calibrate"]
+    row_units = range(len(units)) if calibrate == "kinds" else plan.measured_units
+    rows = [_row(side, errors, ui, d) for ui in row_units for d in side.versions[ui][1:]]
+    seconds = [drops[(units[ui].layer, units[ui].group)]["seconds"] for ui in plan.drops]
+    doc.update({
+        "seconds": 0.0, "seconds_per_candidate": round(statistics.mean(seconds), 3) if seconds else None,
+        "forward_passes": teacher_runs + 2 + len(measured),
+        "top": {"kl": top_rec["kl"], "top1": top_rec["top1"], "nll": top_rec["nll"],
+                "versions": {unit_key(u.layer, u.group): plan.top[i] for i, u in enumerate(units)}},  # type: ignore[index]
+        "measured": measured,
+    })
+    doc["results"] = rows
+    if plan.shard is not None:  # a part: the calibration needs every shard's drops (mosaic measure --merge)
+        return doc
+    return complete(doc)
+
+
+def _write(doc: dict, out: Path) -> dict:
     errs = validation_errors(doc)
     if errs:
         raise VerificationError(f"the measurement does not match its schema: {errs[0]}")
     atomic_write(out, dumps(doc))
     fsync_dir(out.resolve().parent)  # --out is durable before its journal goes
-    journal.close()
-    journal.path.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        teacher_path.unlink()
     return doc
-
-
-def _result(rec: dict, unit: Unit) -> dict:
-    keys = ("layer", "group", "donor", "dbytes", "kl", "dkl", "dkl_se", "dtop1", "dnll")
-    out = {k: rec[k] for k in keys}
-    out["tensors"] = list(unit.tensors)
-    if rec.get("same_as_base"):
-        out["same_as_base"] = True
-    return out

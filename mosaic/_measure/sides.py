@@ -1,15 +1,19 @@
-"""What a measurement needs of its sources, per format: the units, each (unit, donor) pair's exact
-``dbytes``, the files' digests, the runtime, and the scorer that runs the candidates.
+"""What a measurement needs of its sources, per format: the units, each unit's versions and their exact
+``dbytes``, the files' digests, the weight errors, the runtime, and the scorer that runs the candidates.
 
-GGUF: the plan's GGUF units (:mod:`mosaic._plan.gguf_units`), parts laid out once and candidates as links,
-llama.cpp on the CPU. EXL3: the plan's units (``mosaic plan --unit``'s layer, layer-experts and
-module-group), ``dbytes`` from the plan's exact size model (headers included), exllamav3 on a CUDA GPU.
-The orchestration (:mod:`.run`) and the document are the same for both.
+GGUF: the plan's GGUF units (:mod:`mosaic._plan.gguf_units`), weight errors from gguf-py's dequantization,
+parts laid out once and candidates as links, llama.cpp on the CPU. EXL3: the plan's units (``mosaic plan
+--unit``'s layer, layer-experts and module-group), ``dbytes`` from the plan's exact size model (headers
+included), weight errors from exllamav3's reconstruction and exllamav3 on a CUDA GPU. The orchestration
+(:mod:`.run`) and the document are the same for both.
+
+``units`` are every unit of the measured kind in every layer — the top model of ``--method top-down`` holds
+all of them at their best version — and ``selected`` the ones ``--only-layers`` measures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +22,11 @@ from mosaic._base.progress import Reporter
 from mosaic._build.digest_cache import file_records, folder_records
 from mosaic._build.gguf_plan import check_same_model
 from mosaic._checkpoint.gguf_model import GGUFModel
-from mosaic._eval.reference import Reference
+from mosaic._eval.reference import Reference, is_reference_file
 from mosaic._eval.rows import Rows
 from mosaic._measure.backends import GGUFScorer, Scorer, exl3_scorer
 from mosaic._measure.parts import part_bytes
+from mosaic._measure.weights import Errors, exl3_errors, gguf_errors
 from mosaic._plan.gguf_units import Unit, dbytes, default_unit, donor_has, gguf_units
 from mosaic._sources.gguf import gguf_source, is_gguf_src, open_gguf_source
 
@@ -31,17 +36,19 @@ class Side:
     format: str
     unit: str
     layers: set[int] | None
-    units: list[Unit]
-    runs: list[tuple[int, str]]  # (unit index, donor id), units in order, donors in --donor order
-    dbytes: dict[tuple[int, str], int]
+    units: list[Unit]  # every unit of the kind, in (layer, group) order, the ones outside the layers last
+    selected: list[int]  # the units measured (--only-layers), in the same order
+    versions: list[list[str]]  # per unit: "base", then each donor that has it, in --donor order
+    dbytes: dict[tuple[int, str], int]  # (unit, version) -> growth of the built mosaic ("base": 0)
     base_bytes: int
     base_files: list[dict]
     donor_files: dict[str, list[dict]]
-    runtime: dict
+    runtime: Callable[[], dict]
     same_bytes: Callable[[int, str], bool]
-    space_needed: Callable[[list[tuple[int, str]]], int]
-    scorer: Callable[[list[tuple[int, str]], Reference, Rows, Path, object, Reporter], Scorer]
+    space_needed: Callable[[Iterable[tuple[int, str]]], int]
+    scorer: Callable[[Iterable[tuple[int, str]], Reference, Rows, Path, object, Reporter], Scorer]
     reference_files: Callable[[str, Reporter], list[dict]]
+    weight_errors: Callable[[str | None, int, Reporter], Errors]
 
 
 def parse_layer_list(text: str) -> set[int]:
@@ -78,6 +85,10 @@ def _same_gguf_bytes(unit: Unit, base: GGUFModel, donor: GGUFModel) -> bool:
     return True
 
 
+def _digests(records: list[dict]) -> dict[str, str]:
+    return {r["name"]: r["sha256"] for r in records}
+
+
 def gguf_side(req: object, progress: Reporter) -> Side:
     from mosaic._eval.runtime import get_runtime
 
@@ -95,24 +106,40 @@ def gguf_side(req: object, progress: Reporter) -> Side:
         files[did] = file_records(donors[did], spec, progress)
     kind = r.unit or default_unit(base)  # type: ignore[attr-defined]
     only = parse_layer_list(r.only_layers) if r.only_layers else None  # type: ignore[attr-defined]
-    units = gguf_units(base, kind, only)
-    runs = [(ui, d) for ui, u in enumerate(units) for d in donors if donor_has(u, base, donors[d])]
+    chosen = {(u.layer, u.group) for u in gguf_units(base, kind, only)}  # checks the layers given
+    units = gguf_units(base, kind, None)
+    selected = [i for i, u in enumerate(units) if (u.layer, u.group) in chosen]
+    versions = [["base", *(d for d in donors if donor_has(u, base, donors[d]))] for u in units]
+    sizes = {(ui, v): 0 if v == "base" else dbytes(units[ui], base, donors[v]) for ui, vs in enumerate(versions) for v in vs}
+    base_files = file_records(base, base_spec, progress)
+
+    def open_reference(src: str) -> tuple[GGUFModel, list[dict]]:
+        spec = gguf_source(src, "--reference", "reference")
+        model = open_gguf_source(spec, Path.cwd())
+        return model, file_records(model, spec, progress)
 
     def reference_files(src: str, progress: Reporter) -> list[dict]:
-        spec = gguf_source(src, "--reference", "reference")
-        return file_records(open_gguf_source(spec, Path.cwd()), spec, progress)
+        return open_reference(src)[1]
 
-    def scorer(todo: list[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
-        return GGUFScorer(base, donors, units, todo, ref, rows, work, threads=req.threads,  # type: ignore[attr-defined]
+    def weight_errors(teacher: str | None, threads: int, progress: Reporter) -> Errors:
+        t = None
+        if teacher is not None and not is_reference_file(teacher) and is_gguf_src(teacher):
+            model, recs = open_reference(teacher)
+            t = (model, _digests(recs))
+        models: dict[str, object] = {"base": base, **donors}
+        digests = {"base": _digests(base_files), **{d: _digests(files[d]) for d in donors}}
+        return gguf_errors(units, models, digests, t, threads, progress)
+
+    def scorer(pairs: Iterable[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
+        return GGUFScorer(base, donors, units, pairs, ref, rows, work, threads=req.threads,  # type: ignore[attr-defined]
                           verbose=req.verbose, progress=progress)  # type: ignore[attr-defined]
 
     return Side(
-        "gguf", kind, only, units, runs, {(ui, d): dbytes(units[ui], base, donors[d]) for ui, d in runs}, base.size,
-        file_records(base, base_spec, progress), files,
-        get_runtime(threads=r.threads, verbose=r.verbose).info.as_dict(),  # type: ignore[attr-defined]
+        "gguf", kind, only, units, selected, versions, sizes, base.size, base_files, files,
+        lambda: get_runtime(threads=r.threads, verbose=r.verbose).info.as_dict(),  # type: ignore[attr-defined]
         lambda ui, d: _same_gguf_bytes(units[ui], base, donors[d]),
-        lambda todo: part_bytes(base, units, donors, todo),
-        scorer, reference_files,
+        lambda pairs: part_bytes(base, units, donors, pairs),
+        scorer, reference_files, weight_errors,
     )
 
 
@@ -136,7 +163,7 @@ def exl3_side(req: object, progress: Reporter) -> Side:
     from mosaic._plan.units import find_units
 
     r = req
-    runtime = EXL3_RUNTIME()  # a one-line error without exllamav3 and a GPU, before any work
+    runtime = EXL3_RUNTIME() if r.method != "weights" else None  # type: ignore[attr-defined]  # one line without a GPU
     base_spec, base_dir = parse_source(r.base, "--base", "base")  # type: ignore[attr-defined]
     base = _load(base_spec, base_dir, "base")
     donors = {}
@@ -153,21 +180,30 @@ def exl3_side(req: object, progress: Reporter) -> Side:
         missing = sorted(only - {u.layer for u in all_units})
         if missing:
             raise MosaicError(f"--only-layers: the base has no layer {missing[0]} with units of kind {kind}")
-    chosen = [u for u in all_units if only is None or u.layer in only]
-    _check_candidates(base, donors, chosen)
+    _check_candidates(base, donors, all_units)
     model = SizeModel(base, donors, all_units)
     plain = model.size({})
-    units = [Unit(u.layer, u.pattern, u.modules) for u in chosen]
-    runs = [(i, d) for i in range(len(chosen)) for d in donors]
-    sizes = {(i, d): model.size({chosen[i].index: d}) - plain for i, d in runs}
+    units = [Unit(u.layer, u.pattern, u.modules) for u in all_units]
+    selected = [i for i, u in enumerate(all_units) if only is None or u.layer in only]
+    versions = [["base", *donors] for _ in all_units]
+    sizes = {(i, d): 0 if d == "base" else model.size({all_units[i].index: d}) - plain for i, vs in enumerate(versions) for d in vs}
+    base_files = folder_records(base, progress)
+    donor_files = {d: folder_records(a, progress) for d, a in donors.items()}
 
     def reference_files(src: str, progress: Reporter) -> list[dict]:
         spec, folder = parse_source(src, "--reference", "reference")
         return folder_records(_load(spec, folder, "reference"), progress)
 
-    def scorer(todo: list[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
-        return EXL3_SCORER(base, donors, chosen, todo, ref, rows, work, progress=progress)
+    def weight_errors(teacher: str | None, threads: int, progress: Reporter) -> Errors:
+        digests = {"base": _digests(base_files), **{d: _digests(donor_files[d]) for d in donors}}
+        t = None
+        if teacher is not None and not is_reference_file(teacher) and Path(teacher).is_dir():
+            t = Path(teacher)
+        return exl3_errors(units, {"base": base, **donors}, digests, t, threads, progress)
 
-    return Side("exl3", kind, only, units, runs, sizes, base.ckpt.shard_bytes, folder_records(base, progress),
-                {d: folder_records(a, progress) for d, a in donors.items()}, runtime, lambda ui, d: False,
-                lambda todo: 0, scorer, reference_files)
+    def scorer(pairs: Iterable[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
+        return EXL3_SCORER(base, donors, all_units, pairs, ref, rows, work, progress=progress)
+
+    return Side("exl3", kind, only, units, selected, versions, sizes, base.ckpt.shard_bytes, base_files, donor_files,
+                lambda: runtime if runtime is not None else EXL3_RUNTIME(), lambda ui, d: False, lambda pairs: 0,
+                scorer, reference_files, weight_errors)

@@ -176,8 +176,7 @@ def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpe
             raise ScoresError(f"{path}: measured another donor {did!r} ({doc['donors'][did]['source']}): "
                               f"its files' digests differ from {dsrc}'s")
         donors.append((did, spec, model))
-    layers = doc["settings"]["layers"]
-    units = gguf_units(base, kind, set(layers) if layers is not None else None)
+    units = gguf_units(base, kind, None)  # every unit: a measurement calibrated by kinds predicts every layer
     index = {(u.layer, u.group): i for i, u in enumerate(units)}
     rank = {did: i for i, (did, _, _) in enumerate(donors)}
     models = {did: m for did, _, m in donors}

@@ -394,16 +394,25 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 
 
 @main.command("measure")
-@click.option("--base", "base", required=True, metavar="SRC", help="The base: a .gguf file, a split set's first file, a folder, or org/name@<commit>:<file>.")
-@click.option("--donor", "donors", multiple=True, required=True, metavar="ID=SRC", help="A donor quantization of the same model (repeatable).")
-@click.option("--reference", "reference", required=True, metavar="REF",
-              help="The teacher: a model (run once here), or a reference saved by mosaic eval --save-reference (.npz).")
-@click.option("--text", "text", required=True, type=click.Path(path_type=Path), help="The rows to measure on (as for mosaic eval).")
+@click.argument("parts", nargs=-1, metavar="[PART.json...]", type=click.Path(path_type=Path))
+@click.option("--base", "base", default=None, metavar="SRC", help="The base: a .gguf file, a split set's first file, a folder, or org/name@<commit>:<file>.")
+@click.option("--donor", "donors", multiple=True, metavar="ID=SRC", help="A donor quantization of the same model (repeatable).")
+@click.option("--reference", "reference", default=None, metavar="REF",
+              help="The teacher: a model (run once here), or a reference saved by mosaic eval --save-reference (.npz); "
+                   "optional with --method weights (its tensors are the weights' reference when it is a model).")
+@click.option("--text", "text", default=None, type=click.Path(path_type=Path), help="The rows to measure on (as for mosaic eval).")
+@click.option("--method", type=click.Choice(["top-down", "weights", "swaps"]), default="top-down", show_default=True,
+              help="top-down: weight errors from the files, calibrated by one drop from the top model per unit; "
+                   "weights: the weight errors alone (no model runs); swaps: every base + one unit from one donor, run.")
+@click.option("--calibrate", type=click.Choice(["units", "kinds"]), default="units", show_default=True,
+              help="top-down: each unit's own sensitivity, or one per kind of unit pooled over --only-layers and given to every layer.")
 @click.option("--unit", type=click.Choice(["layer", "layer-experts", "module-group"]), default=None,
               help="What a candidate takes from a donor (default: layer-experts where the base has routed experts, else layer).")
 @click.option("--only-layers", "only_layers", default=None, metavar="LIST", help="Measure only these layers, e.g. 0-5,9,12.")
 @click.option("--ctx", type=click.IntRange(2, 1 << 20), default=None, help="Tokens per window (default 512, or the saved reference's).")
 @click.option("--top-k", "top_k", type=click.IntRange(1, 1 << 16), default=None, help="Teacher log-probabilities kept per position (default 32).")
+@click.option("--shard", default=None, metavar="K/N", help="Run only the K-th of N shares of the candidates (join the parts with --merge).")
+@click.option("--merge", is_flag=True, help="Join the documents PART.json... of a sharded measurement into --out (no other input).")
 @click.option("--out", "out", type=click.Path(path_type=Path), default=Path("measurement.json"), show_default=True,
               help="The measurement document, written when every candidate has run.")
 @click.option("--workdir", type=click.Path(path_type=Path), default=None,
@@ -414,16 +423,27 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--verbose", is_flag=True, help="Show the runtime's own log lines on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurement document on stdout.")
 @_guarded
-def measure_cmd(base: str, donors: tuple[str, ...], reference: str, text: Path, unit: str | None, only_layers: str | None,
-                ctx: int | None, top_k: int | None, out: Path, workdir: Path | None, resume: bool, force: bool,
+def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], reference: str | None, text: Path | None,
+                method: str, calibrate: str, unit: str | None, only_layers: str | None, ctx: int | None, top_k: int | None,
+                shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool, force: bool,
                 threads: int | None, verbose: bool, as_json: bool) -> None:
-    """Measure what each unit buys: every unit of the selected layers from every donor that has it, scored on
-    the model against the teacher (KL, top-1, NLL deltas against the base, with their noise), for mosaic plan."""
+    """Measure what each unit buys from each donor, on the model, for mosaic plan: by default from the weight
+    errors in the files, calibrated from the top (one forward pass per unit); --merge joins a sharded one."""
     from mosaic.cli.render import render_measurement
 
-    res = api.measure(base=base, donors=list(donors), reference=reference, text=text, unit=unit,
-                      only_layers=only_layers, ctx=ctx, top_k=top_k, out=out, workdir=workdir, resume=resume,
-                      force=force, threads=threads, verbose=verbose, progress=_bars(as_json))
+    if parts and not merge:
+        raise MosaicError(f"{parts[0]}: a PART is a shard's document, joined with --merge")
+    if merge and not parts:
+        raise MosaicError("--merge: name the shards' documents (PART.json ...)")
+    if merge:
+        res = api.measure(merge=list(parts), out=out, force=force, base=base, donors=list(donors) or None,
+                          reference=reference, text=text, shard=shard, only_layers=only_layers)
+    else:
+        if base is None or not donors:
+            raise MosaicError("give --base SRC and at least one --donor ID=SRC (or --merge PART.json ...)")
+        res = api.measure(base=base, donors=list(donors), reference=reference, text=text, method=method, calibrate=calibrate,
+                          unit=unit, only_layers=only_layers, ctx=ctx, top_k=top_k, shard=shard, out=out, workdir=workdir,
+                          resume=resume, force=force, threads=threads, verbose=verbose, progress=_bars(as_json))
     doc = res.as_dict()
     if as_json:
         _emit_json(doc)

@@ -352,15 +352,33 @@ def render_eval(console: Console, doc: dict) -> None:
 def render_measurement(console: Console, doc: dict, out: object) -> None:
     b = doc["base"]
     s = doc["settings"]
-    console.print(f"[bold]measured[/bold] {len(doc['results'])} candidates ({s['unit']} units) in {doc['seconds']:.0f} s"
-                  f" ({doc['seconds_per_candidate'] or 0:.2f} s each); wrote {lit(str(out))}")
-    console.print(f"base {lit(b['source'])}: KL {b['kl']:.5f} (top-{s['kl']['k']} lower bound), top-1 {b['top1']:.4f}, "
-                  f"NLL {b['nll']:.4f}; {doc['text']['rows']} rows, {doc['text']['positions']:,} positions")
+    shard = s.get("shard")
+    what = f"shard {shard['k']}/{shard['n']} of a measurement" if shard else "measured"
+    each = f" ({doc['seconds_per_candidate']:.2f} s per candidate)" if doc.get("seconds_per_candidate") else ""
+    console.print(f"[bold]{what}[/bold]: {len(doc['results'])} results ({s['unit']} units, method {s['method']}"
+                  f"{', calibrated by ' + s['calibrate'] if s['method'] == 'top-down' else ''}), {doc['forward_passes']} forward "
+                  f"passes in {doc['seconds']:.0f} s{each}; wrote {lit(str(out))}")
+    console.print(f"weights compared with: {lit(s['weights_reference'])}")
+    if b["kl"] is not None:
+        console.print(f"base {lit(b['source'])}: KL {b['kl']:.5f} (top-{s['kl']['k']} lower bound), top-1 {b['top1']:.4f}, "
+                      f"NLL {b['nll']:.4f}; {doc['text']['rows']} rows, {doc['text']['positions']:,} positions")
+    top = doc.get("top")
+    if top is not None:
+        moved = sum(v != "base" for v in top["versions"].values())
+        console.print(f"top: KL {top['kl']:.5f}, top-1 {top['top1']:.4f}, NLL {top['nll']:.4f} "
+                      f"({moved} of {len(top['versions'])} units at a donor's version); {len(doc['measured'])} drops measured")
+    for kind, c in (doc.get("calibration") or {}).items():
+        console.print(f"kind {lit(kind)}: alpha {c['alpha']:.4g} ± {c['alpha_se']:.2g} from {c['units']} units")
+    if shard:
+        console.print("its predictions need every shard: mosaic measure --merge --out FILE PART.json ...")
+        return
+    unit = "weight error" if s["dkl"] == "weight error" else "nats"
     best = sorted(doc["results"], key=lambda r: (r["dkl"], r["dbytes"]))[:15]
-    t = Table(show_edge=False, title="what buys the most (dkl lowest first)")
-    for col in ("layer", "group", "donor", "dbytes", "dkl", "± se", "dtop1", "dnll"):
-        t.add_column(col, justify="left" if col in ("group", "donor") else "right")
+    t = Table(show_edge=False, title=f"what buys the most (dkl lowest first, in {unit})")
+    for col in ("layer", "group", "donor", "dbytes", "dkl", "± se", "eps base → donor", "how"):
+        t.add_column(col, justify="left" if col in ("group", "donor", "how") else "right")
     for r in best:
+        se = "-" if r["dkl_se"] is None else f"{r['dkl_se']:.5f}"
         t.add_row("-" if r["layer"] is None else str(r["layer"]), lit(r["group"] or "-"), lit(r["donor"]), f"{r['dbytes']:,}",
-                  f"{r['dkl']:+.5f}", f"{r['dkl_se']:.5f}", f"{r['dtop1']:+.4f}", f"{r['dnll']:+.4f}")
+                  f"{r['dkl']:+.5f}", se, f"{r['eps_base']:.2e} → {r['eps']:.2e}", "predicted" if r["predicted"] else "measured")
     console.print(t)
