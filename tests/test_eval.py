@@ -465,3 +465,51 @@ def test_peak_memory_does_not_grow_with_ctx_row_length_or_rows(tmp_path: Path) -
     mib = 1 << 20
     assert abs(long_window - short_window) < 48 * mib, (long_window / mib, short_window / mib)
     assert abs(short_rows - short_window) < 48 * mib, (short_rows / mib, short_window / mib)
+
+
+# ------------------------------------------------------------------------------------------ the picture
+
+
+def test_the_frontier_picture_is_the_same_bytes_for_the_same_inputs(models: dict[str, Path], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (make test installs it)")
+    args = ["eval", str(models["base"]), str(models["mosaic"]), "--reference", str(models["donor"]), "--text",
+            str(models["text"]), "--ctx", str(CTX)]
+    svgs = []
+    for name in ("a.svg", "b.svg"):
+        code, out, err = _cli(*args, "--plot", str(tmp_path / name), "--json")
+        assert code == 0, err
+        assert json.loads(out)["plot"] == str(tmp_path / name)
+        svgs.append((tmp_path / name).read_bytes())
+    assert svgs[0] == svgs[1] and svgs[0].startswith(b"<?xml")
+    text = svgs[0].decode()
+    # a labelled point per candidate and the teacher at its own size; no date in the file
+    assert "base-q4.gguf" in text and "mosaic.gguf" in text and "donor-q8.gguf (teacher)" in text
+    assert "<dc:date>" not in text
+    code, _, err = _cli(*args, "--plot", str(tmp_path / "c.png"))
+    assert code == 0, err
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert err == ""  # quiet: no font-cache or backend chatter
+
+
+def test_the_picture_is_refused_before_any_model_runs(models: dict[str, Path], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong format, or no matplotlib: one line, before a runtime is handed any file (here a candidate that
+    does not exist would be the next error)."""
+    import builtins
+
+    missing = tmp_path / "missing.gguf"
+    base = ["eval", str(missing), "--reference", str(models["donor"]), "--text", str(models["text"])]
+    code, _, err = _cli(*base, "--plot", str(tmp_path / "p.pdf"))
+    _one_line_error(code, err)
+    assert ".svg or .png" in err
+    real = builtins.__import__
+
+    def no_matplotlib(name: str, *a: object, **k: object) -> object:
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    code, _, err = _cli(*base, "--plot", str(tmp_path / "p.svg"))
+    _one_line_error(code, err)
+    assert "plot extra" in err and "mosaic[plot]" in err and not (tmp_path / "p.svg").exists()

@@ -535,6 +535,7 @@ def evaluate(
     ctx: int | None = None,
     top_k: int | None = None,
     save_reference: PathLike | None = None,
+    plot: PathLike | None = None,
     threads: int | None = None,
     runtime: str | None = None,
     verbose: bool = False,
@@ -543,8 +544,9 @@ def evaluate(
     """Score each candidate against the teacher on the same tokens: top-1 agreement, KL(teacher ‖ candidate)
     (exact with a live teacher, the top-k lower bound from a saved one), the text's NLL, per row, and
     between candidates. ``reference``: a model, or a reference saved with ``save_reference`` (``.npz``; with
-    no candidates, the teacher alone runs). GGUF models run on llama.cpp (the ``runtime`` extra; ``runtime``
-    picks ``cyllama`` or ``llama-cpp-python``), EXL3 folders on exllamav3 (the ``exl3`` extra, a CUDA GPU).
+    no candidates, the teacher alone runs). ``plot``: an ``.svg`` or ``.png`` of each candidate's KL and top-1
+    against its size on disk (the ``plot`` extra). GGUF models run on llama.cpp (the ``runtime`` extra;
+    ``runtime`` picks ``cyllama`` or ``llama-cpp-python``), EXL3 folders on exllamav3 (the ``exl3`` extra, a CUDA GPU).
 
     >>> from mosaic.testing.gguf import write_llama_gguf
     >>> teacher = write_llama_gguf(tmp / "q8.gguf", qtype="Q8_0", seed=1)[0]
@@ -565,7 +567,7 @@ def evaluate(
     _in_range("--threads", threads, 1, 1024)
     req = EvalRequest([os.fspath(c) for c in candidates], os.fspath(reference), Path(text), ctx, top_k,
                       None if save_reference is None else Path(save_reference), verbose=verbose, runtime=runtime,
-                      threads=threads)
+                      threads=threads, plot=None if plot is None else Path(plot))
     with _running(progress, unit="tokens") as r:
         return EvalResult(_evaluate(req, r))
 

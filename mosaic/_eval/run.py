@@ -65,6 +65,7 @@ class EvalRequest:
     verbose: bool = False
     runtime: str | None = None
     threads: int | None = None
+    plot: Path | None = None
 
 
 def windows(tokens: list[int] | np.ndarray, ctx: int) -> list[list[int]]:
@@ -142,6 +143,12 @@ def runtime_note(saved: dict | None, used: RuntimeInfo | None) -> str | None:
 
 
 def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]:
+    if req.plot is not None:
+        from mosaic._eval.plot import check_plot
+
+        check_plot(req.plot)  # before any model runs
+        if not req.candidates:
+            raise MosaicError("--plot draws the candidates: name at least one CANDIDATE")
     rows = load_rows(req.text)
     if not req.candidates and req.save_reference is None:
         raise MosaicError("name at least one CANDIDATE, or --save-reference FILE to save the teacher's top-k alone")
@@ -201,6 +208,14 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
                   np.concatenate(kept[1]) if kept[1] else np.zeros((0, k), np.float32),
                   used.as_dict() if used else None).save(req.save_reference)
         doc["saved_reference"] = str(req.save_reference)
+    if req.plot is not None:
+        from mosaic._eval.plot import draw, model_bytes
+
+        teacher_size = (teacher.name, model_bytes(Path(teacher.name))) if exact else None
+        draw(req.plot, results, [model_bytes(Path(c)) for c in req.candidates], teacher_size,
+             f"{len(results)} candidates against {Path(teacher.name).name}: {doc['rows']} rows, {doc['positions']:,} positions"
+             f" ({'exact KL' if exact else f'top-{teacher.k} KL lower bound'})")
+        doc["plot"] = str(req.plot)
     return doc
 
 

@@ -369,12 +369,14 @@ def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | 
 @click.option("--save-reference", "save_reference", type=click.Path(path_type=Path), default=None,
               help="Keep the live teacher's top-k (with the text's digest, the tokenizer's identity and the runtime) in this "
                    ".npz file; with no CANDIDATE, the teacher alone runs.")
+@click.option("--plot", "plot", type=click.Path(path_type=Path), default=None, metavar="FILE.svg|FILE.png",
+              help="Draw each candidate's KL and top-1 against its size on disk (the teacher at KL 0); the plot extra.")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None, help="Runtime threads (default: every core).")
 @click.option("--verbose", is_flag=True, help="Show the runtime's own log lines on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
 def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int | None, top_k: int | None,
-             save_reference: Path | None, threads: int | None, verbose: bool, as_json: bool) -> None:
+             save_reference: Path | None, plot: Path | None, threads: int | None, verbose: bool, as_json: bool) -> None:
     """Score CANDIDATEs against a teacher on the same tokens: the quality panel of a mosaic.
 
     Per candidate: top-1 agreement with the teacher, KL(teacher || candidate) (exact with a live teacher,
@@ -385,7 +387,7 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
     from mosaic.cli.render import render_eval
 
     res = api.evaluate(list(candidates), reference=reference, text=text, ctx=ctx, top_k=top_k,
-                       save_reference=save_reference, threads=threads, verbose=verbose, progress=_bars(as_json))
+                       save_reference=save_reference, plot=plot, threads=threads, verbose=verbose, progress=_bars(as_json))
     doc = res.as_dict()
     if as_json:
         _emit_json(doc)

@@ -347,6 +347,8 @@ def render_eval(console: Console, doc: dict) -> None:
         console.print(f"{lit(cmp['from'])} → {lit(cmp['to'])} over {doc['rows']} rows: " + "; ".join(parts))
     if doc.get("saved_reference"):
         console.print(f"saved the teacher's top-{doc['top_k']} to {lit(doc['saved_reference'])}")
+    if doc.get("plot"):
+        console.print(f"drew KL and top-1 against size to {lit(doc['plot'])}")
 
 
 def render_measurement(console: Console, doc: dict, out: object) -> None:
