@@ -185,5 +185,25 @@ class Exl3Backend:
         self._model.unload()
 
 
+def exllamav3_rows(shard: Path, key: str, rows: int) -> Iterator[np.ndarray]:
+    """One EXL3 linear as exllamav3 reconstructs it on the GPU (its Hadamard rotations and sign vectors
+    applied: the weight in the original basis), handed over ``rows`` output rows at a time."""
+    require_exl3_gpu("the weight errors of EXL3 folders")
+    import torch
+    from exllamav3.modules.quant.exl3 import LinearEXL3
+    from safetensors import safe_open
+
+    with safe_open(str(shard), framework="pt", device="cuda") as f:
+        parts = {name.rsplit(".", 1)[1]: f.get_tensor(name) for name in f.keys() if name.rsplit(".", 1)[0] == key}  # noqa: SIM118
+    trellis = parts["trellis"]
+    lin = LinearEXL3(None, trellis.shape[0] * 16, trellis.shape[1] * 16, su=parts.get("su"), sv=parts.get("sv"),
+                     suh=parts.get("suh"), svh=parts.get("svh"), trellis=trellis, mcg=parts.get("mcg"), mul1=parts.get("mul1"))
+    with torch.inference_mode():
+        w = lin.get_weight_tensor()  # [in, out]: exllamav3 stores linears transposed
+        for a in range(0, w.shape[1], rows):
+            yield w[:, a:a + rows].T.float().cpu().numpy()
+    del w, lin
+
+
 def is_exl3_folder(p: Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))

@@ -34,6 +34,7 @@ from mosaic._base.faults import check_cancel
 from mosaic._base.hashing import parallel_map
 from mosaic._base.progress import SILENT, Reporter
 from mosaic._build.digest_cache import cache_root
+from mosaic._eval.backends import exllamav3_rows
 
 #: Working memory of all threads together, whatever the tensors (raw bytes, dequantized floats, float64
 #: copies and the difference of the chunks in flight).
@@ -311,31 +312,9 @@ def gguf_errors(units: Sequence[object], versions: dict[str, object], digests: d
 # ------------------------------------------------------------------------------------------------ EXL3
 
 
-def _exllamav3_rows(shard: Path, key: str, rows: int) -> Iterator[np.ndarray]:
-    """One EXL3 linear as exllamav3 reconstructs it on the GPU (its Hadamard rotations and sign vectors
-    applied: the weight in the original basis), handed over ``rows`` output rows at a time."""
-    from mosaic._eval.backends import require_exl3_gpu
-
-    require_exl3_gpu("the weight errors of EXL3 folders")
-    import torch
-    from exllamav3.modules.quant.exl3 import LinearEXL3
-    from safetensors import safe_open
-
-    with safe_open(str(shard), framework="pt", device="cuda") as f:
-        parts = {name.rsplit(".", 1)[1]: f.get_tensor(name) for name in f.keys() if name.rsplit(".", 1)[0] == key}  # noqa: SIM118
-    trellis = parts["trellis"]
-    lin = LinearEXL3(None, trellis.shape[0] * 16, trellis.shape[1] * 16, su=parts.get("su"), sv=parts.get("sv"),
-                     suh=parts.get("suh"), svh=parts.get("svh"), trellis=trellis, mcg=parts.get("mcg"), mul1=parts.get("mul1"))
-    with torch.inference_mode():
-        w = lin.get_weight_tensor()  # [in, out]: exllamav3 stores linears transposed
-        for a in range(0, w.shape[1], rows):
-            yield w[:, a:a + rows].T.float().cpu().numpy()
-    del w, lin
-
-
 #: exllamav3's reconstruction of one EXL3 linear: (its shard, its module key, rows per block) -> its weight
 #: [out_features, in_features] as float32 blocks of rows. Needs a CUDA GPU; tests put a stand-in here.
-EXL3_RECONSTRUCT: Callable[[Path, str, int], Iterator[np.ndarray]] = _exllamav3_rows
+EXL3_RECONSTRUCT: Callable[[Path, str, int], Iterator[np.ndarray]] = exllamav3_rows
 
 _FLOAT_DTYPES = {"F32": (4, np.float32), "F16": (2, np.float16), "BF16": (2, None)}
 
