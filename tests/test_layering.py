@@ -51,7 +51,7 @@ FORBIDDEN_MODULES = {
 BASE_MODULES: dict[str, set[str]] = {
     "mosaic._base": set(), "mosaic._base.errors": set(), "mosaic._base.faults": set(), "mosaic._base.literal": set(),
     "mosaic._base.version": set(), "mosaic._base.progress": {"mosaic._base.literal"},
-    "mosaic._base.hashing": {"mosaic._base.faults"},
+    "mosaic._base.hashing": {"mosaic._base.faults"}, "mosaic._base.lock": {"mosaic._base.errors"},
 }
 #: Inside the command line: only the demo runs the command line, and only it writes synthetic models.
 CLI_MODULES: dict[str, set[str]] = {"mosaic.cli.commands": {"_api"}, "mosaic.cli.render": {"_api"}}

@@ -15,7 +15,7 @@ import shutil
 import signal
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from mosaic._checkpoint.census_exl3 import Analysis, analyze
 from mosaic._checkpoint.folder import bulk, open_checkpoint
 from mosaic._base.errors import OutputError, SourceError
 from mosaic._base.faults import point as fault_point
+from mosaic._base.lock import output_lock
 from mosaic._sources.gguf import is_gguf_recipe
 from mosaic._base.hashing import sha256_bytes
 from mosaic._hub.partial import PartialSnapshot
@@ -207,18 +208,20 @@ def build(
     stream: bool = False,
     progress: Reporter = SILENT,
     gguf_keys: dict[str, object] | None = None,
+    lock: bool = True,
 ) -> BuildResult:
     """Build the mosaic a recipe (a file, or one already parsed) describes. ``gguf_keys``: a GGUF mosaic's
     ``mosaic.*`` keys to write instead of this version's (``mosaic rebuild`` of a published one).
+
+    ``<out>.lock`` is held from before the output is looked at until the build has ended (a second build of
+    the same output is refused, ``--force`` included, rather than swapping folders with this one).
+    ``lock=False``: the caller holds the lock of the output this build is part of (``rebuild`` builds into
+    a hidden folder of its own beside the output it holds).
 
     Raises MosaicError (exit 2) or VerificationError (exit 1)."""
     recipe = recipe_path if isinstance(recipe_path, Recipe) else load_recipe(recipe_path)
     out_dir = Path(out).absolute() if out is not None else recipe.output_path()
     jobs = jobs or os.cpu_count() or 1
-    if out_dir.exists() and not force:
-        raise OutputError(f"{out_dir}: already exists; pass --force to replace it after a successful build")
-    if out_dir.is_symlink():
-        raise OutputError(f"{out_dir}: is a symbolic link; refusing to build through it")
     parent = out_dir.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -226,6 +229,18 @@ def build(
         raise OutputError(f"{parent}: cannot create the output's parent folder: {e.strerror or e}") from None
     if not os.access(parent, os.W_OK):
         raise OutputError(f"{parent}: not writable")
+    with output_lock(out_dir, "mosaic build") if lock else nullcontext():
+        return _build(recipe, out_dir, force=force, jobs=jobs, link=link, stream=stream, progress=progress,
+                      gguf_keys=gguf_keys)
+
+
+def _build(recipe: Recipe, out_dir: Path, *, force: bool, jobs: int, link: bool, stream: bool, progress: Reporter,
+           gguf_keys: dict[str, object] | None) -> BuildResult:
+    parent = out_dir.parent
+    if out_dir.exists() and not force:
+        raise OutputError(f"{out_dir}: already exists; pass --force to replace it after a successful build")
+    if out_dir.is_symlink():
+        raise OutputError(f"{out_dir}: is a symbolic link; refusing to build through it")
     clean_stale_partials(out_dir)
 
     # A recipe whose base is a GGUF model builds a GGUF mosaic (mosaic._build.gguf_plan / gguf_write).

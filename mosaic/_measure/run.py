@@ -30,6 +30,7 @@ from pathlib import Path
 from mosaic._base.errors import MosaicError, OutputError, VerificationError
 from mosaic._base.faults import point as fault_point
 from mosaic._base.hashing import digest_file
+from mosaic._base.lock import output_lock
 from mosaic._base.progress import SILENT, Reporter
 from mosaic._base.version import __version__
 from mosaic._build.run import fsync_dir
@@ -137,11 +138,19 @@ def _check_request(req: MeasureRequest) -> Shard | None:
 
 
 def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
+    """Measure, holding ``<out>.lock`` throughout: taken before ``--out``, its journal or the teacher's top-k are
+    looked at, so that a second measurement of the same ``--out`` (``--force`` and ``--resume`` included) is
+    refused before it could delete or append to this one's journal."""
     started = time.monotonic()
+    shard = _check_request(req)
+    with output_lock(req.out, "mosaic measure"):
+        return _measure(req, shard, started, progress)
+
+
+def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress: Reporter) -> dict:
     out = Path(req.out)
     jpath = journal_path(out)
     teacher_path = jpath.with_name(jpath.name + ".teacher.npz")
-    shard = _check_request(req)
     if out.exists() and not req.force:
         raise OutputError(f"{out}: exists; --force replaces it")
     if req.resume and req.force:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mosaic._base.errors import MosaicError, OutputError, VerificationError
+from mosaic._base.lock import output_lock
 from mosaic._measure.calibrate import BASE, complete, unit_key
 from mosaic._plan.measurement import SCHEMA_ID, dumps, load_measurement, validation_errors
 
@@ -87,12 +88,18 @@ def _first_difference(a: object, b: object, where: str = "") -> str:
 
 
 def merge(parts: list[Path], out: Path, *, force: bool = False) -> dict:
-    """Join the parts of a sharded measurement into the document one run would have written, at ``out``."""
+    """Join the parts of a sharded measurement into the document one run would have written, at ``out`` (its
+    lock held: another command writing it is refused)."""
+    if not parts:
+        raise MosaicError("--merge: name the shards' documents (PART.json ...)")
+    with output_lock(out, "mosaic measure --merge"):
+        return _merge(parts, out, force)
+
+
+def _merge(parts: list[Path], out: Path, force: bool) -> dict:
     from mosaic._build.run import fsync_dir
     from mosaic._hub.partial import atomic_write
 
-    if not parts:
-        raise MosaicError("--merge: name the shards' documents (PART.json ...)")
     if out.exists() and not force:
         raise OutputError(f"{out}: exists; --force replaces it")
     docs = []

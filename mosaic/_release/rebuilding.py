@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mosaic._base.errors import OutputError, SourceError, VerificationError
+from mosaic._base.lock import output_lock
 from mosaic._base.progress import SILENT, Reporter
 from mosaic._build.run import PARTIAL_TAG, build, clean_stale_partials
 from mosaic._formats.safetensors_reader import strict_json_loadb
@@ -108,6 +109,16 @@ def rebuild(
         raise SourceError(f"{ref!r}: expected ORG/NAME@<40-hex commit> (a published mosaic, pinned)")
     repo, revision = parsed
     out_dir = Path(out).absolute() if out is not None else Path.cwd() / repo.split("/", 1)[1]
+    try:  # the lock lies beside the output, taken before the output is looked at
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{out_dir.parent}: cannot create the output's parent folder: {e.strerror or e}") from None
+    with output_lock(out_dir, "mosaic rebuild"):
+        return _rebuild(repo, revision, out_dir, sources, jobs, progress)
+
+
+def _rebuild(repo: str, revision: str, out_dir: Path, sources: dict[str, Path] | None, jobs: int | None,
+             progress: Reporter) -> RebuildResult:
     if out_dir.exists():
         raise OutputError(f"{out_dir}: already exists; choose another --out or remove it")
 
@@ -142,7 +153,7 @@ def rebuild(
     work = out_dir.parent / f".{out_dir.name}{PARTIAL_TAG}{os.getpid()}-{os.urandom(4).hex()}"
     clean_stale_partials(out_dir)
     try:
-        res = build(recipe, out=work, jobs=jobs, stream=True, progress=progress, gguf_keys=keys)
+        res = build(recipe, out=work, jobs=jobs, stream=True, progress=progress, gguf_keys=keys, lock=False)
         try:
             _check_tensors(res.provenance, want_tensors, repo, revision)
         except _TensorMismatch as e:
