@@ -21,7 +21,8 @@ from click.testing import CliRunner
 
 from mosaic._base.errors import MosaicError, SourceError
 from mosaic._eval.panel import kl_lower_bound, log_softmax
-from mosaic._eval.run import EvalRequest, evaluate, windows
+from mosaic._eval.run import EvalRequest, evaluate
+from mosaic._eval.scoring import windows
 from mosaic.cli.commands import main
 from mosaic.testing.gguf import N_VOCAB, Geometry, assemble_with_ggufpy, write_llama_gguf
 
@@ -36,7 +37,8 @@ CTX = 16
 
 
 def runtime():  # type: ignore[no-untyped-def]
-    from mosaic._eval.runtime import available, get_runtime
+    from mosaic._eval.runtime import available
+    from mosaic._eval.worker import get_runtime
 
     if not available():
         reason = "no llama.cpp runtime is installed; `make test` installs the runtime extra (pip install -e '.[runtime]')"
@@ -119,12 +121,14 @@ def test_numbers_equal_a_direct_numpy_computation_from_llama_cpp_logits(models: 
     doc = run(models, ["base", "mosaic"], models["donor"], ctx=CTX, top_k=8)
     for got, name in zip(doc["candidates"], ("base", "mosaic")):
         want = direct(models, name)
-        assert got["kl"]["mean"] == pytest.approx(want["kl"], rel=1e-9, abs=1e-12)
-        assert got["kl"]["max"] == pytest.approx(want["kl_max"], rel=1e-9, abs=1e-12)
-        assert got["top1"] == pytest.approx(want["top1"])
-        assert got["nll"] == pytest.approx(want["nll"], rel=1e-9)
+        # the panel works in float32 with float64 sums: equal to float64 numpy within 1e-6, top-1 exactly
+        assert got["kl"]["mean"] == pytest.approx(want["kl"], rel=0, abs=1e-6)
+        assert got["kl"]["max"] == pytest.approx(want["kl_max"], rel=0, abs=1e-6)
+        assert got["top1"] == want["top1"]
+        assert got["nll"] == pytest.approx(want["nll"], rel=0, abs=1e-6)
         for g, w in zip(got["rows"], want["rows"]):
-            assert (g["kl"], g["top1"], g["nll"]) == pytest.approx((w["kl"], w["top1"], w["nll"]), rel=1e-9, abs=1e-12)
+            assert (g["kl"], g["nll"]) == pytest.approx((w["kl"], w["nll"]), rel=0, abs=1e-6)
+            assert g["top1"] == w["top1"]
     assert doc["positions"] == len(want["rows"][0]["all_kl"]) + sum(len(r["all_kl"]) for r in want["rows"][1:])
 
 

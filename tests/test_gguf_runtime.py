@@ -23,7 +23,8 @@ PROMPT = [1, 260, 75, 104, 111, 111, 114, 266, 263, 47, 270, 36]  # <s>, word pi
 
 
 def _runtime():  # type: ignore[no-untyped-def]
-    from mosaic._eval.runtime import available, get_runtime
+    from mosaic._eval.runtime import available
+    from mosaic._eval.worker import get_runtime
 
     if not available():
         reason = "no llama.cpp runtime is installed; `make test` installs the runtime extra (pip install -e '.[runtime]')"

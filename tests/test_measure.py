@@ -47,7 +47,7 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     _runtime_or_skip()
     teacher = smollm2_gguf()
     assert teacher is not None
-    from mosaic._eval.runtime import get_runtime
+    from mosaic._eval.worker import get_runtime
 
     info = get_runtime().info
     cache = Path(os.environ.get("MOSAIC_TEST_MODELS", Path.home() / ".cache" / "mosaic" / "test-models"))

@@ -9,8 +9,12 @@ Per position (a token the model predicts the next of):
   teacher's top-k. By the log-sum inequality it never exceeds the exact KL, and equals it when r = 0;
 - **NLL** of the text's own next token under the candidate, in nats.
 
-Everything is computed in float64 from the runtimes' logits, so two machines give the same numbers to
-within the runtimes' own float differences.
+Elementwise work over the vocabulary is float32 (the runtimes' own precision: the logits arrive as float32),
+every sum is float64, and what float32 would round is carried beside it: each position's log-sum-exp is kept
+in float64 and split into its float32 part, subtracted from every logit, and the remainder, applied once to
+the position's total. So the figures equal a float64 computation from the same logits to ~1e-7 (tested to
+1e-6 on real models), and the order of the logits decides top-1 and top-k, never rounded log-probabilities:
+ties break as in float64, the lower token id first.
 """
 
 from __future__ import annotations
@@ -20,42 +24,95 @@ from dataclasses import dataclass
 import numpy as np
 
 
+@dataclass
+class LogProbs:
+    """Log-probabilities of a batch of positions: ``lp − rest`` exactly, ``lp`` float32 over the vocabulary,
+    ``rest`` the float64 part of each position's log-sum-exp that float32 could not hold (|rest| ≤ 1e-6)."""
+
+    lp: np.ndarray  # float32 [n, V]
+    rest: np.ndarray  # float64 [n]
+    logits: np.ndarray  # float32 [n, V]: the order of the tokens (top-1, top-k) is read here
+    e: np.ndarray  # float32 [n, V]: exp(logits − max), whose float64 sum is ``total``
+    total: np.ndarray  # float64 [n]
+
+    def mass_outside(self, ids: np.ndarray) -> np.ndarray:
+        """The probability outside the tokens ``ids`` [n, k], as the sum of the rest of the vocabulary (so that
+        it is 0, not float noise, when ``ids`` holds every token)."""
+        inside = np.take_along_axis(self.e, ids.astype(np.int64), axis=-1).sum(axis=-1, dtype=np.float64)
+        return np.maximum(self.total - inside, 0.0) / self.total
+
+    def at(self, ids: np.ndarray) -> np.ndarray:
+        """float64 log-probabilities of the tokens ``ids`` ([n] or [n, k]) of each position."""
+        ids = ids.astype(np.int64)
+        got = np.take_along_axis(self.lp, ids if ids.ndim == 2 else ids[:, None], axis=-1).astype(np.float64)
+        got -= self.rest[:, None]
+        return got if ids.ndim == 2 else got[:, 0]
+
+
+def log_probs(logits: np.ndarray) -> LogProbs:
+    """One pass of float32 temporaries the size of ``logits``; the sums in float64."""
+    x = np.asarray(logits, dtype=np.float32)
+    lp = x - x.max(axis=-1, keepdims=True)
+    e = np.exp(lp)
+    total = e.sum(axis=-1, dtype=np.float64)
+    lse = np.log(total)
+    head = lse.astype(np.float32)
+    lp -= head[:, None]
+    return LogProbs(lp, lse - head.astype(np.float64), x, e, total)
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """In float64, with two temporaries the size of ``logits`` (it runs over the whole vocabulary at every
-    position: the panel's largest cost after the runtime's)."""
+    """float64 log-probabilities (tests and small arrays; the panel itself uses :func:`log_probs`)."""
     x = np.array(logits, dtype=np.float64)
     x -= x.max(axis=-1, keepdims=True)
-    e = np.exp(x)
-    x -= np.log(e.sum(axis=-1, keepdims=True))
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
     return x
 
 
-def kl_exact(teacher_lp: np.ndarray, cand_lp: np.ndarray) -> np.ndarray:
-    p = np.exp(teacher_lp)
-    return np.maximum((p * (teacher_lp - cand_lp)).sum(axis=-1), 0.0)
+def kl_exact(teacher: LogProbs, cand: LogProbs) -> np.ndarray:
+    """Σ p (log p − log q) per position. With p = exp(lp_t − rest_t), the rests are constants of a position:
+    Σ p (lp_t − lp_c) is formed in float32 products and float64 sums, then the rests are applied once."""
+    e = np.exp(teacher.lp)  # = p × exp(rest_t)
+    d = teacher.lp - cand.lp
+    d *= e
+    head = d.sum(axis=-1, dtype=np.float64)
+    mass = e.sum(axis=-1, dtype=np.float64)
+    kl = np.exp(-teacher.rest) * (head - (teacher.rest - cand.rest) * mass)
+    return np.maximum(kl, 0.0)
 
 
-def kl_lower_bound(top_ids: np.ndarray, top_lp: np.ndarray, cand_lp: np.ndarray) -> np.ndarray:
-    """The KL lower bound from the teacher's top-k (ids and log-probabilities) and the candidate's full log-probs."""
+def kl_lower_bound(top_ids: np.ndarray, top_lp: np.ndarray, cand: LogProbs | np.ndarray) -> np.ndarray:
+    """The KL lower bound from the teacher's top-k (ids and log-probabilities) and the candidate's log-probs
+    (:class:`LogProbs`, or float64 log-probabilities)."""
+    resolution = float(np.finfo(np.asarray(top_lp).dtype).eps) if np.asarray(top_lp).dtype.kind == "f" else 0.0
     top_lp = np.asarray(top_lp, dtype=np.float64)
-    q_top = np.take_along_axis(cand_lp, top_ids.astype(np.int64), axis=-1)
+    if isinstance(cand, LogProbs):
+        q_top = cand.at(top_ids)
+        q_r = np.clip(cand.mass_outside(top_ids), 1e-300, 1.0)
+    else:
+        q_top = np.take_along_axis(cand, top_ids.astype(np.int64), axis=-1)
+        q_r = np.clip(1.0 - np.exp(q_top).sum(axis=-1), 1e-300, 1.0)
     p_top = np.exp(top_lp)
     head = (p_top * (top_lp - q_top)).sum(axis=-1)
     r = np.clip(1.0 - p_top.sum(axis=-1), 0.0, 1.0)
-    q_r = np.clip(1.0 - np.exp(q_top).sum(axis=-1), 1e-300, 1.0)
+    # saved log-probabilities are float32: each p carries a relative error up to 2^-24 × |log p|, so a mass
+    # outside the top-k below twice their sum is indistinguishable from none (every token kept), and is none
+    r = np.where(r > resolution * (p_top * np.abs(top_lp)).sum(axis=-1) + 1e-15, r, 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         tail = np.where(r > 0, r * (np.log(np.maximum(r, 1e-300)) - np.log(q_r)), 0.0)
     return np.maximum(head + tail, 0.0)
 
 
-def top_k(lp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k most likely tokens per position, most likely first (ties: the lower id first)."""
-    k = min(k, lp.shape[-1])
-    part = np.argpartition(-lp, k - 1, axis=-1)[..., :k]
-    vals = np.take_along_axis(lp, part, axis=-1)
+def top_k(lps: LogProbs, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely tokens per position, most likely first (ties: the lower id first), ordered by the
+    logits themselves; their log-probabilities from float64."""
+    x = lps.logits
+    k = min(k, x.shape[-1])
+    part = np.argpartition(-x, k - 1, axis=-1)[..., :k]
+    vals = np.take_along_axis(x, part, axis=-1)
     order = np.lexsort((part, -vals), axis=-1)
     ids = np.take_along_axis(part, order, axis=-1)
-    return ids.astype(np.int32), np.take_along_axis(lp, ids, axis=-1).astype(np.float32)
+    return ids.astype(np.int32), lps.at(ids).astype(np.float32)
 
 
 @dataclass
@@ -67,9 +124,9 @@ class Scores:
     nll: list[np.ndarray]
 
 
-def position_scores(teacher_top1: np.ndarray, kl: np.ndarray, cand_lp: np.ndarray, next_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    agree = (cand_lp.argmax(axis=-1) == teacher_top1).astype(np.float64)
-    nll = -np.take_along_axis(cand_lp, next_tokens.astype(np.int64)[:, None], axis=-1)[:, 0]
+def position_scores(teacher_top1: np.ndarray, kl: np.ndarray, cand: LogProbs, next_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    agree = (cand.logits.argmax(axis=-1) == teacher_top1).astype(np.float64)
+    nll = -cand.at(next_tokens)
     return agree, kl, nll
 
 

@@ -15,7 +15,6 @@ their number.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,21 +33,14 @@ from mosaic._eval.backends import (
     identity_difference,
     is_exl3_folder,
 )
-from mosaic._eval.panel import (
-    Scores,
-    compare,
-    kl_exact,
-    kl_lower_bound,
-    log_softmax,
-    position_scores,
-    summarize,
-    top_k,
-)
+from mosaic._eval.panel import Scores, compare, summarize
 from mosaic._eval.reference import Reference, is_reference_file, load_reference
 from mosaic._eval.rows import Rows, load_rows
-from mosaic._eval.runtime import RuntimeInfo, get_runtime
+from mosaic._eval.runtime import RuntimeInfo
+from mosaic._eval.scoring import Job, positions, score
+from mosaic._eval.worker import RemoteModel, get_runtime, score_in_worker
 
-#: float64 log-probabilities held at a time per model (positions × vocabulary): 8 MiB each.
+#: float32 log-probabilities held at a time per model (positions × vocabulary): 4 MiB each.
 CHUNK_FLOATS = 1 << 20
 DEFAULT_CTX = 512
 DEFAULT_TOP_K = 32
@@ -66,12 +58,6 @@ class EvalRequest:
     runtime: str | None = None
     threads: int | None = None
     plot: Path | None = None
-
-
-def windows(tokens: list[int] | np.ndarray, ctx: int) -> list[list[int]]:
-    """Consecutive windows of at most ``ctx`` tokens; a window of one token predicts nothing and is dropped."""
-    out = [list(map(int, tokens[i:i + ctx])) for i in range(0, len(tokens), ctx)]
-    return [w for w in out if len(w) > 1]
 
 
 @dataclass
@@ -232,68 +218,28 @@ def check_tokens(c: Backend, ref: Reference, rows: Rows) -> None:
 
 
 def _positions(row_tokens: list[list[int]], ctx: int) -> int:
-    return sum(len(w) - 1 for t in row_tokens for w in windows(t, ctx))
+    return positions(row_tokens, ctx)
+
+
+def _remote(b: Backend) -> RemoteModel | None:
+    m = getattr(b, "_model", None)
+    return m if isinstance(m, RemoteModel) else None
 
 
 def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter, n_rows: int,
            keep: bool = False) -> tuple[list[Scores], tuple[list[np.ndarray], list[np.ndarray]]]:
-    """Every candidate's per-position scores; with ``keep``, the live teacher's top-k of every position."""
-    work = _positions(teacher.row_tokens, ctx)
+    """Every candidate's per-position scores; with ``keep``, the live teacher's top-k of every position. GGUF
+    models are scored in their llama.cpp worker, where their logits are; EXL3 models here."""
     what = f"{n_rows} rows, {len(cands)} candidate(s)" if cands else f"{n_rows} rows, the teacher alone"
-    advance = progress.step(f"{what} against {teacher.name}", work)
-    scores = [Scores([], [], []) for _ in cands]
-    kept_ids: list[np.ndarray] = []
-    kept_lp: list[np.ndarray] = []
-    models: list[Backend] = ([teacher.live] if teacher.live else []) + cands
-    vocab = max(m.n_vocab for m in models)
-    chunk = max(1, CHUNK_FLOATS // vocab)
-    k, pos = teacher.k, 0
-    for toks in teacher.row_tokens:
-        parts: list[tuple[list, list, list]] = [([], [], []) for _ in cands]
-        for w in windows(toks, ctx):
-            n = len(w) - 1
-            nxt = np.asarray(w[1:])
-            # the last token predicts nothing scored: positions 0..n-1 are decoded, in lock step
-            streams: list[Iterator[np.ndarray]] = [m.window(w[:-1]) for m in models]
-            off = 0
-            for pieces in zip(*streams):
-                m_ = pieces[0].shape[0]
-                if any(p.shape[0] != m_ for p in pieces):
-                    raise MosaicError("the models handed back batches of different sizes")
-                for a in range(0, m_, chunk):
-                    b = min(a + chunk, m_)
-                    s0, s1 = off + a, off + b
-                    if teacher.live is not None:
-                        t_lp = log_softmax(pieces[0][a:b])
-                        ids, lps = top_k(t_lp, k)
-                        if keep:
-                            kept_ids.append(ids)
-                            kept_lp.append(lps)
-                        cand_pieces = pieces[1:]
-                    else:
-                        assert teacher.saved is not None
-                        ids = teacher.saved.top_ids[pos + s0:pos + s1]
-                        lps = teacher.saved.top_lp[pos + s0:pos + s1]
-                        if ids.shape[0] != s1 - s0:
-                            raise FormatError("the saved reference holds fewer positions than the text needs; saved for another --ctx?")
-                        cand_pieces = pieces
-                    if cand_pieces and int(ids.max(initial=0)) >= cand_pieces[0].shape[1]:
-                        raise FormatError("the saved reference names tokens beyond the candidates' vocabulary")
-                    for ci, cp in enumerate(cand_pieces):
-                        c_lp = log_softmax(cp[a:b])
-                        kl = kl_exact(t_lp, c_lp) if teacher.live is not None else kl_lower_bound(ids, lps, c_lp)
-                        agree, kl, nll = position_scores(ids[:, 0], kl, c_lp, nxt[s0:s1])
-                        parts[ci][0].append(agree)
-                        parts[ci][1].append(kl)
-                        parts[ci][2].append(nll)
-                off += m_
-                advance(m_)
-            if off != n:
-                raise MosaicError(f"a model handed back {off} positions of a window of {n}")
-            pos += n
-        for ci in range(len(cands)):
-            for j, target in enumerate((scores[ci].top1, scores[ci].kl, scores[ci].nll)):
-                target.append(np.concatenate(parts[ci][j]) if parts[ci][j] else np.zeros(0))
-    if teacher.saved is not None and pos != teacher.saved.top_ids.shape[0]:
-        raise FormatError(f"the saved reference holds {teacher.saved.top_ids.shape[0]} positions, the text {pos}; saved for another --ctx?")
-    return scores, (kept_ids, kept_lp)
+    advance = progress.step(f"{what} against {teacher.name}", _positions(teacher.row_tokens, ctx))
+    saved = teacher.saved
+    job = Job(teacher.row_tokens, ctx, teacher.k, CHUNK_FLOATS, keep,
+              saved.top_ids if saved is not None else None, saved.top_lp if saved is not None else None)
+    models = ([teacher.live] if teacher.live else []) + list(cands)
+    remote = [_remote(m) for m in models]
+    if all(r is not None for r in remote):
+        live = remote[0] if teacher.live else None
+        out = score_in_worker(job, live, [r for r in remote[1 if teacher.live else 0:] if r is not None], advance)
+    else:
+        out = score(job, teacher.live, cands, advance)
+    return out.scores, (out.kept_ids, out.kept_lp)

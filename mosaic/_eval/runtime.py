@@ -15,6 +15,9 @@ KV cache and ``batch × vocabulary`` floats, whatever the window or the text. Th
 a sink that drops them unless ``verbose``; a load or decode the runtime refuses is a :class:`RuntimeFailure`
 (one line), never a traceback. ``MOSAIC_RUNTIME`` (``cyllama`` or ``llama-cpp-python``) picks one binding;
 by default the first installed, in that order.
+
+These bindings load llama.cpp into the process that calls them: mosaic's commands call them only inside
+their llama.cpp worker (:mod:`.worker`), a process of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.metadata
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -80,12 +84,37 @@ class Runtime(Protocol):
     def quantize(self, src: Path, dst: Path, ftype: int) -> None: ...
 
 
-def default_threads() -> int:
-    """Every core this process may run on (what llama-perplexity's ``-t`` defaults to, near enough)."""
+#: Where a CPU quota is read: cgroup v2's ``cpu.max``, then v1's CFS quota and period.
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+CGROUP_V1 = (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+
+
+def cpu_quota() -> int | None:
+    """The CPUs a cgroup's quota allows this process (rounded up), or None without a quota. A container
+    limited to 2 CPUs on a 64-core host sees 64 in its affinity; 64 decoding threads there would thrash."""
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max":
+            return max(1, math.ceil(int(quota) / int(period)))
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us, period_us = (int(p.read_text().strip()) for p in CGROUP_V1)
+    except (OSError, ValueError):
+        return None
+    return max(1, math.ceil(quota_us / period_us)) if quota_us > 0 and period_us > 0 else None
+
+
+def default_threads() -> int:
+    """Every core this process may run on — its CPU affinity, within its cgroup's CPU quota (what
+    llama-perplexity's ``-t`` defaults to, near enough)."""
+    try:
+        n = len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    quota = cpu_quota()
+    return min(n, quota) if quota is not None else n
 
 
 def _version(dist: str) -> str:
@@ -352,8 +381,8 @@ def available() -> list[str]:
     return [name for name, (module, _) in _FACTORIES.items() if importlib.util.find_spec(module) is not None]
 
 
-def get_runtime(name: str | None = None, *, threads: int | None = None, verbose: bool = False) -> Runtime:
-    """The runtime ``name`` (default: ``$MOSAIC_RUNTIME``, else the first installed), started once per process."""
+def resolve_name(name: str | None = None) -> str:
+    """The binding to use: ``name``, else ``$MOSAIC_RUNTIME``, else the first installed (one line if none is)."""
     name = name or os.environ.get("MOSAIC_RUNTIME") or None
     if name is not None and name not in _FACTORIES:
         raise MosaicError(f"runtime {name!r}: unknown (one of {', '.join(NAMES)})")
@@ -363,6 +392,14 @@ def get_runtime(name: str | None = None, *, threads: int | None = None, verbose:
             raise MosaicError("running GGUF models needs a llama.cpp runtime: pip install 'mosaic[runtime]' "
                               "(cyllama, a prebuilt wheel; llama-cpp-python works too where it is installed)")
         name = found[0]
+    return name
+
+
+def in_process_runtime(name: str | None = None, threads: int | None = None, verbose: bool = False) -> Runtime:
+    """The binding loaded into this process, once per process: what the llama.cpp worker runs
+    (:mod:`mosaic._eval.worker_main`). mosaic's commands use :func:`mosaic._eval.worker.get_runtime`, which
+    keeps llama.cpp out of their own process."""
+    name = resolve_name(name)
     threads = threads or default_threads()
     key = (name, threads, verbose)
     if key not in _OPEN:

@@ -21,7 +21,7 @@ from mosaic._eval.backends import GGUFBackend, batch_size, check_gguf, require_e
 from mosaic._eval.reference import Reference
 from mosaic._eval.rows import Rows
 from mosaic._eval.run import check_tokens, score_against
-from mosaic._eval.runtime import get_runtime
+from mosaic._eval.worker import get_runtime
 from mosaic._measure.parts import Parts, lay_out
 from mosaic._plan.gguf_units import Unit
 
@@ -121,7 +121,7 @@ class Exl3Scorer:
             "replace": rules}, sort_keys=False))
         out = self._work / "candidate"
         try:
-            build(recipe, out=out, force=True, link=True)
+            build(recipe, out=out, force=True, link=True, lock=False)  # inside the measurement's own work folder
             return self._score(out, name)
         finally:
             shutil.rmtree(out, ignore_errors=True)

@@ -90,7 +90,7 @@ def _digests(records: list[dict]) -> dict[str, str]:
 
 
 def gguf_side(req: object, progress: Reporter) -> Side:
-    from mosaic._eval.runtime import get_runtime
+    from mosaic._eval.worker import get_runtime
 
     r = req
     base_spec = gguf_source(r.base, "--base", "base")  # type: ignore[attr-defined]

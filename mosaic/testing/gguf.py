@@ -219,7 +219,7 @@ def smollm2_gguf() -> Path | None:
 def requantize(src: Path, folder: Path, names: list[str]) -> dict[str, Path]:
     """``src`` requantized by llama.cpp's own quantizer (``llama_model_quantize``, through the runtime) to
     each named type, into ``folder`` (kept: a file already there is taken as it is)."""
-    from mosaic._eval.runtime import get_runtime
+    from mosaic._eval.worker import get_runtime
 
     folder.mkdir(parents=True, exist_ok=True)
     out: dict[str, Path] = {}

@@ -1,0 +1,153 @@
+"""The llama.cpp worker: a process of its own that loads GGUF models and runs the panel where the logits are.
+
+Started by :mod:`.worker` as ``python -m mosaic._eval.worker_main IN_FD OUT_FD`` (spawned, never forked from a
+process that has llama.cpp loaded), it reads requests from ``IN_FD`` and answers on ``OUT_FD``
+(:mod:`.wire`); its stdout and stderr are its parent's choice (a file it reads back when llama.cpp dies, or the
+terminal with ``--verbose``), never the protocol. It writes no core file, ignores the terminal's Ctrl-C (its
+parent stops it) and dies with its parent. A refusal (:class:`~mosaic.MosaicError`) is answered as one; a
+``GGML_ASSERT`` or an out-of-memory kill ends the process, and the parent says so in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from mosaic._base.errors import MosaicError
+from mosaic._base.faults import point
+from mosaic._eval.runtime import LoadedModel, Runtime, in_process_runtime
+from mosaic._eval.scoring import Job, score
+from mosaic._eval.wire import WireError, recv, send
+
+
+def _contain() -> None:
+    """No core file; the terminal's Ctrl-C is for the parent (it stops this process); die with the parent."""
+    import resource
+
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before the line above
+            sys.exit(1)
+
+
+class _Model:
+    """A loaded model that says which model decodes before each batch (so a crash names it)."""
+
+    def __init__(self, m: LoadedModel, name: str, batch: int, note: Callable[[str], None]) -> None:
+        self.m, self.name, self.batch, self.n_vocab, self._note = m, name, batch, m.n_vocab, note
+
+    def window(self, tokens: list[int]) -> Iterator[np.ndarray]:
+        self.m.clear()
+        for s in range(0, len(tokens), self.batch):
+            self._note(f"decoding {self.name}")
+            point("llama-decode")
+            yield self.m.decode(tokens[s:s + self.batch], s)
+
+
+class _Server:
+    def __init__(self, out: BinaryIO) -> None:
+        self.out = out
+        self.rt: Runtime | None = None
+        self.models: dict[int, _Model] = {}
+        self.next = 1
+
+    def note(self, doing: str) -> None:
+        send(self.out, {"doing": doing})
+
+    def handle(self, head: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray] | None]:
+        op = head["op"]
+        if op == "init":
+            self.rt = in_process_runtime(head["runtime"], head["threads"], head["verbose"])
+            return {"ok": self.rt.info.as_dict()}, None
+        assert self.rt is not None, "init first"
+        if op == "ping":
+            return {"ok": None}, None
+        if op == "load":
+            point("llama-load")
+            m = self.rt.load(Path(head["path"]), ctx=head["ctx"], batch=head["batch"])
+            h = self.next
+            self.next += 1
+            self.models[h] = _Model(m, head["name"], head["batch"], self.note)
+            return {"ok": h, "n_vocab": m.n_vocab}, None
+        if op == "close":
+            m_ = self.models.pop(head["handle"], None)
+            if m_ is not None:
+                m_.m.close()
+            return {"ok": None}, None
+        if op == "tokenize":
+            return {"ok": [self.models[head["handle"]].m.tokenize(t) for t in head["texts"]]}, None
+        if op == "piece":
+            return {"ok": None}, {"piece": np.frombuffer(self.models[head["handle"]].m.piece(head["token"]), np.uint8)}
+        if op == "meta":
+            return {"ok": self.models[head["handle"]].m.meta(head["key"])}, None
+        if op == "decode":
+            m_ = self.models[head["handle"]]
+            self.note(f"decoding {m_.name}")
+            point("llama-decode")
+            return {"ok": None}, {"logits": m_.m.decode(head["tokens"], head["pos"])}
+        if op == "clear":
+            self.models[head["handle"]].m.clear()
+            return {"ok": None}, None
+        if op == "quantize":
+            self.rt.quantize(Path(head["src"]), Path(head["dst"]), head["ftype"])
+            return {"ok": None}, None
+        if op == "score":
+            return self.score(head, arrays)
+        raise MosaicError(f"the llama.cpp worker has no operation {op!r}")
+
+    def score(self, head: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+        job = Job(head["row_tokens"], head["ctx"], head["k"], head["chunk"], head["keep"],
+                  arrays.get("saved_ids"), arrays.get("saved_lp"))
+        live = self.models[head["live"]] if head.get("live") is not None else None
+        cands = [self.models[h] for h in head["cands"]]
+        got = score(job, live, cands, lambda n: send(self.out, {"advance": n}))
+        out: dict[str, np.ndarray] = {}
+        lengths = []
+        for ci, s in enumerate(got.scores):
+            lengths.append([int(x.size) for x in s.top1])
+            for key, parts in (("top1", s.top1), ("kl", s.kl), ("nll", s.nll)):
+                out[f"{key}{ci}"] = np.concatenate(parts) if parts else np.zeros(0)
+        if job.keep:
+            out["kept_ids"] = np.concatenate(got.kept_ids) if got.kept_ids else np.zeros((0, job.k), np.int32)
+            out["kept_lp"] = np.concatenate(got.kept_lp) if got.kept_lp else np.zeros((0, job.k), np.float32)
+        return {"ok": None, "lengths": lengths}, out
+
+
+def main(argv: list[str]) -> int:
+    _contain()
+    inp = os.fdopen(int(argv[0]), "rb")
+    out = os.fdopen(int(argv[1]), "wb")
+    server = _Server(out)
+    while True:
+        try:
+            head, arrays = recv(inp)
+        except WireError:
+            return 0  # the parent is gone or done
+        try:
+            reply, data = server.handle(head, arrays)
+        except MosaicError as e:
+            reply, data = {"error": type(e).__name__, "message": str(e)}, None
+        except Exception:  # a defect: the parent raises it with this traceback
+            reply, data = {"error": "internal", "message": traceback.format_exc()}, None
+        try:
+            send(out, reply, data)
+        except (BrokenPipeError, OSError):
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
