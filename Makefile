@@ -41,23 +41,36 @@ lint: $(STAMP)
 	$(BIN)/ruff check mosaic tests bench
 
 # `make bench PERPLEXITY=1` also builds llama-perplexity (not on PyPI) from the llama.cpp source inside the
-# llama-cpp-python sdist, once, CPU-only, and races mosaic eval against it.
+# llama-cpp-python sdist, once, CPU-only, and races mosaic eval against it: one build with the flags of the
+# runtime's own llama.cpp (cyllama: a generic x86-64, OpenMP), one for this CPU (-march=native).
 LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
 PERPLEXITY_DIR  := $(HOME)/.cache/mosaic/llama-perplexity
 PERPLEXITY_BIN  := $(PERPLEXITY_DIR)/llama-perplexity
+PERPLEXITY_NATIVE_BIN := $(PERPLEXITY_DIR)/llama-perplexity-native
+PERPLEXITY_FLAGS := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON
 
-$(PERPLEXITY_BIN): $(STAMP)
+$(PERPLEXITY_DIR)/src/.unpacked: $(STAMP)
 	rm -rf $(PERPLEXITY_DIR)/src && mkdir -p $(PERPLEXITY_DIR)/src
 	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(PERPLEXITY_DIR)/src '$(LLAMA_CPP_SDIST)'
 	tar -xzf $(PERPLEXITY_DIR)/src/*.tar.gz -C $(PERPLEXITY_DIR)/src
-	cmake -S $(PERPLEXITY_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(PERPLEXITY_DIR)/build -DCMAKE_BUILD_TYPE=Release \
-		-DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON >/dev/null
-	cmake --build $(PERPLEXITY_DIR)/build --target llama-perplexity -j $$(nproc) >/dev/null
-	cp $(PERPLEXITY_DIR)/build/bin/llama-perplexity $(PERPLEXITY_BIN)
+	touch $@
 
-bench: $(STAMP) $(RUNTIME) $(if $(PERPLEXITY),$(PERPLEXITY_BIN))
-	$(if $(PERPLEXITY),MOSAIC_BENCH_PERPLEXITY=$(PERPLEXITY_BIN)) $(BIN)/python bench/run.py
+$(PERPLEXITY_BIN): $(PERPLEXITY_DIR)/src/.unpacked
+	cmake -S $(PERPLEXITY_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(PERPLEXITY_DIR)/build $(PERPLEXITY_FLAGS) \
+		-DGGML_NATIVE=OFF -DGGML_OPENMP=ON >/dev/null
+	cmake --build $(PERPLEXITY_DIR)/build --target llama-perplexity -j $$(nproc) >/dev/null
+	cp $(PERPLEXITY_DIR)/build/bin/llama-perplexity $@
+
+$(PERPLEXITY_NATIVE_BIN): $(PERPLEXITY_DIR)/src/.unpacked
+	cmake -S $(PERPLEXITY_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(PERPLEXITY_DIR)/build-native $(PERPLEXITY_FLAGS) \
+		-DGGML_NATIVE=ON -DGGML_OPENMP=ON >/dev/null
+	cmake --build $(PERPLEXITY_DIR)/build-native --target llama-perplexity -j $$(nproc) >/dev/null
+	cp $(PERPLEXITY_DIR)/build-native/bin/llama-perplexity $@
+
+bench: $(STAMP) $(RUNTIME) $(if $(PERPLEXITY),$(PERPLEXITY_BIN) $(PERPLEXITY_NATIVE_BIN))
+	$(if $(PERPLEXITY),MOSAIC_BENCH_PERPLEXITY=$(PERPLEXITY_BIN) MOSAIC_BENCH_PERPLEXITY_NATIVE=$(PERPLEXITY_NATIVE_BIN)) \
+		$(BIN)/python bench/run.py
 
 fuzz: $(STAMP)
 	MOSAIC_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest tests/test_fuzz.py tests/test_safetensors_reader.py tests/test_records.py tests/test_signing.py \

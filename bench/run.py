@@ -480,11 +480,41 @@ def eval_models() -> tuple[str, Path, Path, Path]:
     return "synthetic 131k-vocabulary model Q4_0 vs Q8_0", t, c, text
 
 
+def tree_peak_rss_mib(cmd: list[str], env: dict[str, str] | None = None) -> float:
+    """Peak resident memory of a command's whole process tree (mosaic and its llama.cpp worker together),
+    sampled every 10 ms from /proc: the sum over the tree at each sample, its maximum."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env if env is not None else COLD)
+    peak = 0
+    while p.poll() is None:
+        total = 0
+        todo = [p.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                for t in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (t / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+        peak = max(peak, total)
+        time.sleep(0.01)
+    if p.returncode != 0:
+        raise subprocess.CalledProcessError(p.returncode, cmd)
+    return peak / (1 << 20)
+
+
+#: mosaic eval with the panel in mosaic's own process and every batch of logits copied over the worker's pipe:
+#: the design not chosen, run for comparison.
+_PANEL_HERE = ("import sys; import mosaic._eval.run as r; r._remote = lambda b: None; "
+               "from mosaic.cli.commands import main; main(sys.argv[1:])")
+
+
 def case_eval(runs: int, ctx: int) -> None:
-    """``mosaic eval`` against ``llama-perplexity --kl-divergence`` on the same models, text and windows:
-    seconds (each runs both models once over the text), tokens per second, peak memory. llama-perplexity
-    is not on PyPI: give its binary as ``MOSAIC_BENCH_PERPLEXITY`` (``make bench PERPLEXITY=1`` builds it
-    from the llama.cpp source in the llama-cpp-python sdist); without it only mosaic's rows are printed."""
+    """``mosaic eval`` against the runtime's own decoding and ``llama-perplexity --kl-divergence`` on the same
+    models, text and windows: seconds (each runs both models once over the text), peak memory of the whole
+    process tree. llama-perplexity is not on PyPI: give its binary as ``MOSAIC_BENCH_PERPLEXITY`` (``make bench
+    PERPLEXITY=1`` builds it from the llama.cpp source in the llama-cpp-python sdist; ``MOSAIC_BENCH_PERPLEXITY_NATIVE``
+    a second, ``-march=native`` build); without it only mosaic's rows and the runtime's floor are printed."""
     import re
 
     what, teacher, cand, text = eval_models()
@@ -493,43 +523,88 @@ def case_eval(runs: int, ctx: int) -> None:
     live = [*MOSAIC, "eval", str(cand), "--reference", str(teacher), "--text", str(text), "--ctx", str(ctx), "--json"]
     save = [*MOSAIC, "eval", "--reference", str(teacher), "--text", str(text), "--ctx", str(ctx), "--save-reference", str(saved), "--json"]
     scored = [*MOSAIC, "eval", str(cand), "--reference", str(saved), "--text", str(text), "--json"]
+    here = [sys.executable, "-c", _PANEL_HERE, *live[3:]]
     doc = json.loads(subprocess.run(live, check=True, capture_output=True, text=True).stdout)
     tokens = doc["tokens"]
+    floor: list[dict] = []
+    decode_only = [sys.executable, str(ROOT / "bench" / "decode_only.py"), str(teacher), str(cand), str(text), str(ctx), threads]
     contenders: dict[str, tuple[Callable[[], None], Callable[[], None] | None]] = {
         "mosaic eval (live teacher)": (lambda: sh(live), None),
+        "mosaic eval, panel in mosaic's process, logits over the pipe": (lambda: sh(here), None),
         "mosaic eval --save-reference, then against it": (lambda: (sh(save), sh(scored)), None),  # type: ignore[dict-item]
+        "llama.cpp decode only (same binding, batches, threads)": (
+            lambda: floor.append(json.loads(subprocess.run(decode_only, check=True, capture_output=True, text=True).stdout)), None),
     }
     from mosaic._eval.runtime import available
 
     if "llama-cpp-python" in available():  # the same eval on the other binding: what the runtime costs
         other = {**COLD, "MOSAIC_RUNTIME": "llama-cpp-python"}
         contenders["mosaic eval (live teacher), on llama-cpp-python"] = (lambda: sh(live, env=other), None)
-    ppl = os.environ.get("MOSAIC_BENCH_PERPLEXITY")
     base_kld = DATA / "eval-base.kld"
-    lp_base = [str(ppl), "-m", str(teacher), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,
-               "--kl-divergence-base", str(base_kld)]
-    lp_kl = [str(ppl), "-m", str(cand), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,
-             "--kl-divergence-base", str(base_kld), "--kl-divergence"]
-    if ppl:
-        contenders["llama-perplexity (base pass, then --kl-divergence)"] = (lambda: (sh(lp_base), sh(lp_kl)), None)  # type: ignore[dict-item]
+    perplexities = {name: os.environ.get(var) for name, var in (("llama-perplexity", "MOSAIC_BENCH_PERPLEXITY"),
+                                                                ("llama-perplexity, native", "MOSAIC_BENCH_PERPLEXITY_NATIVE"))}
+    lp: dict[str, tuple[list[str], list[str]]] = {}
+    for name, ppl in perplexities.items():
+        if not ppl:
+            continue
+        lp[name] = ([ppl, "-m", str(teacher), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,
+                     "--kl-divergence-base", str(base_kld)],
+                    [ppl, "-m", str(cand), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,
+                     "--kl-divergence-base", str(base_kld), "--kl-divergence"])
+        contenders[f"{name} (base pass, then --kl-divergence)"] = (
+            lambda b=lp[name][0], k=lp[name][1]: (sh(b), sh(k)), None)  # type: ignore[misc]
     case = f"eval: {what}, {tokens:,} tokens, ctx {ctx}, {threads} threads"
-    ref = "llama-perplexity (base pass, then --kl-divergence)" if ppl else "mosaic eval (live teacher)"
+    ref = "llama.cpp decode only (same binding, batches, threads)"
     med = race(case, contenders, runs, ref)
-    for name, sec in med.items():
-        row(case, f"{name}: tokens/s (both models)", f"{2 * tokens / sec:,.0f}", "")
-    rss = {"mosaic eval (live teacher)": peak_rss_mib(live),
-           "mosaic eval --save-reference": peak_rss_mib(save), "mosaic eval against the saved reference": peak_rss_mib(scored)}
-    if ppl:
-        rss["llama-perplexity base pass"] = peak_rss_mib(lp_base)
-        rss["llama-perplexity --kl-divergence"] = peak_rss_mib(lp_kl)
-        out = subprocess.run(lp_kl, check=True, capture_output=True, text=True)
-        m = re.search(r"Mean\s+KLD:\s+([0-9.]+)", out.stdout + out.stderr)
-        row(case, "llama-perplexity mean KLD (second half of each window)", m.group(1) if m else "?", "")
+    decode_s = statistics.median(f["decode_s"] for f in floor)
+    handover_s = statistics.median(f["handover_s"] for f in floor)
+    row(case, "llama.cpp decode only: inside llama_decode", f"{decode_s:.2f} s", "1.00 (the floor)")
+    row(case, "llama.cpp decode only: the binding's logits handed over as lists", f"{handover_s:.2f} s",
+        f"{handover_s / decode_s:.2f} × decode")
+    row(case, "mosaic eval (live teacher) / decode inside llama.cpp", f"{med['mosaic eval (live teacher)'] / decode_s:.2f}",
+        "goal ≤ 1.1")
+    for name in lp:
+        key = f"{name} (base pass, then --kl-divergence)"
+        row(case, f"mosaic eval (live teacher) / {name}", f"{med['mosaic eval (live teacher)'] / med[key]:.2f}",
+            "goal ≤ 1.2" if name == "llama-perplexity" else "")
+    rss = {"mosaic eval (live teacher)": tree_peak_rss_mib(live),
+           "mosaic eval --save-reference (one model)": tree_peak_rss_mib(save),
+           "mosaic eval against the saved reference (one model)": tree_peak_rss_mib(scored)}
+    for name, (b, k) in lp.items():
+        rss[f"{name} base pass (one model)"] = tree_peak_rss_mib(b)
+        rss[f"{name} --kl-divergence (one model)"] = tree_peak_rss_mib(k)
+        if name == "llama-perplexity":
+            out = subprocess.run(k, check=True, capture_output=True, text=True)
+            m = re.search(r"Mean\s+KLD:\s+([0-9.]+)", out.stdout + out.stderr)
+            row(case, "llama-perplexity mean KLD (second half of each window)", m.group(1) if m else "?", "")
     row(case, "mosaic mean KL (every position)", f"{doc['candidates'][0]['kl']['mean']:.4f}", "")
-    top = max(rss.values())
+    one = rss.get("llama-perplexity --kl-divergence (one model)")
     for name, mib in rss.items():
-        row(case, f"peak RSS: {name}", f"{mib:.0f} MiB", f"{mib / top:.2f} × the largest")
+        row(case, f"peak RSS, process tree: {name}", f"{mib:.0f} MiB",
+            f"{mib / one:.2f} × llama-perplexity's (one model)" if one else "")
     base_kld.unlink(missing_ok=True)
+    case_measure_cost(ctx, teacher, cand, text, saved)
+
+
+def case_measure_cost(ctx: int, teacher: Path, cand: Path, text: Path, saved: Path) -> None:
+    """A measurement's seconds per candidate against one ``mosaic eval`` of one model against a saved reference
+    on the same rows: what the measurement loop adds to scoring a model (SmolLM2 only: its Q8_0 as donor)."""
+    from mosaic.testing.gguf import requantize, smollm2_gguf
+
+    if smollm2_gguf() is None:
+        return
+    q8 = requantize(teacher, DATA / "smollm2", ["Q8_0"])["Q8_0"]
+    out = DATA / "cost-measure.json"
+    measure = [*MOSAIC, "measure", "--base", str(cand), "--donor", f"q8={q8}", "--reference", str(saved), "--text",
+               str(text), "--unit", "layer", "--only-layers", "0-3", "--method", "swaps", "--out", str(out), "--force", "--json"]
+    scored = [*MOSAIC, "eval", str(cand), "--reference", str(saved), "--text", str(text), "--json"]
+    doc = json.loads(subprocess.run(measure, check=True, capture_output=True, text=True, env=COLD).stdout)
+    evals = [timed(lambda: sh(scored)) for _ in range(3)]
+    case = f"measure: seconds per candidate (SmolLM2 Q2_K + one layer of Q8_0, {len(doc['results'])} candidates)"
+    per = doc["seconds_per_candidate"]
+    row(case, "mosaic measure: seconds per candidate", f"{per:.2f} s", f"{per / statistics.median(evals):.2f} × one eval")
+    row(case, "mosaic eval of one model against the saved reference", f"{statistics.median(evals):.2f} s", "1.00 (goal: measure ≤ 1.1 ×)")
+    out.unlink(missing_ok=True)
 
 
 #: The donors of the measure case: one set for every method, so that they choose among the same versions.

@@ -326,9 +326,11 @@ def test_the_wire_carries_arrays_and_refuses_what_is_not_a_message() -> None:
         recv(io.BytesIO((MAX_HEADER + 1).to_bytes(8, "little")))
     with pytest.raises(WireError, match="not JSON"):
         recv(io.BytesIO((3).to_bytes(8, "little") + b"{{{"))
-    bad = json.dumps({"arrays": [["x", "|O", [1]]]}).encode()
-    with pytest.raises(WireError, match="dtype"):
-        recv(io.BytesIO(len(bad).to_bytes(8, "little") + bad))
+    for head, what in (({"arrays": [["x", "|O", [1]]]}, "dtype"), ({"arrays": [["x", "<f4", [-1]]]}, "listed as"),
+                       ({"arrays": [["x", "<f4"]]}, "listed as"), ({"arrays": "x"}, "listed as"), ([1, 2], "not a JSON object")):
+        bad = json.dumps(head).encode()
+        with pytest.raises(WireError, match=what):
+            recv(io.BytesIO(len(bad).to_bytes(8, "little") + bad))
 
 
 def test_a_refusal_in_the_worker_is_the_same_error_here(models: dict[str, Path], tmp_path: Path) -> None:
@@ -363,3 +365,19 @@ def test_the_default_threads_keep_within_the_cgroups_cpu_quota(tmp_path: Path, m
     assert rt.cpu_quota() == want
     monkeypatch.setattr(rt.os, "sched_getaffinity", lambda pid: set(range(64)))
     assert rt.default_threads() == (64 if want is None else want)
+
+
+def test_a_refusal_raised_in_the_worker_arrives_as_its_own_class(models: dict[str, Path], tmp_path: Path) -> None:
+    """The saved top-k is checked against the text where the panel runs, in the worker: a reference holding fewer
+    positions than the text is a FormatError here too (exit 2, its message whole)."""
+    from mosaic._base.errors import FormatError
+    from mosaic._eval.reference import load_reference
+
+    saved = tmp_path / "teacher.npz"
+    evaluate(EvalRequest([], str(models["teacher"]), models["text"], ctx=16, save_reference=saved))
+    ref = load_reference(saved)
+    ref.top_ids, ref.top_lp = ref.top_ids[:-3], ref.top_lp[:-3]
+    short = tmp_path / "short.npz"
+    ref.save(short)
+    with pytest.raises(FormatError, match="fewer positions than the text needs"):
+        evaluate(EvalRequest([str(models["cand"])], str(short), models["text"]))

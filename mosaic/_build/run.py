@@ -31,7 +31,7 @@ from mosaic._checkpoint.census_exl3 import Analysis, analyze
 from mosaic._checkpoint.folder import bulk, open_checkpoint
 from mosaic._base.errors import OutputError, SourceError
 from mosaic._base.faults import point as fault_point
-from mosaic._base.lock import output_lock
+from mosaic._base.lock import output_lock, pid_alive
 from mosaic._sources.gguf import is_gguf_recipe
 from mosaic._base.hashing import sha256_bytes
 from mosaic._hub.partial import PartialSnapshot
@@ -126,16 +126,6 @@ def _verified_digests(recipe: Recipe, streamed: dict[str, PartialSnapshot]) -> d
     return out
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale_partials(out_dir: Path) -> list[Path]:
     """Remove temporary folders left by killed builds of this output.
 
@@ -147,7 +137,7 @@ def clean_stale_partials(out_dir: Path) -> list[Path]:
         return removed
     for p in sorted(out_dir.parent.iterdir()):
         m = pat.match(p.name)
-        if not m or not p.is_dir() or p.is_symlink() or _pid_alive(int(m.group(1))):
+        if not m or not p.is_dir() or p.is_symlink() or pid_alive(int(m.group(1))):
             continue
         if m.group(2) == "previous" and not out_dir.exists():
             os.rename(p, out_dir)

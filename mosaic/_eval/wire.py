@@ -61,8 +61,18 @@ def recv(f: BinaryIO) -> tuple[dict, dict[str, np.ndarray]]:
         head = json.loads(_exactly(f, size))
     except ValueError as e:
         raise WireError(f"a header that is not JSON: {e}") from None
+    if not isinstance(head, dict):
+        raise WireError("a header that is not a JSON object")
     arrays: dict[str, np.ndarray] = {}
-    for name, dtype, shape in head.pop("arrays", []):
+    listed = head.pop("arrays", [])
+    for spec in listed if isinstance(listed, list) else [None]:
+        try:
+            name, dtype, shape = spec  # type: ignore[misc]
+            ok = isinstance(name, str) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise WireError(f"an array listed as {spec!r}")
         if dtype not in _DTYPES:
             raise WireError(f"array {name!r} of dtype {dtype!r}")
         a = np.empty(tuple(shape), dtype=np.dtype(dtype))

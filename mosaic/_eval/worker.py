@@ -179,10 +179,12 @@ class Worker:
             kind, message = reply["error"], reply["message"]
             if kind == "internal":
                 raise RuntimeError(f"the llama.cpp worker failed:\n{message}")
-            cls = getattr(_errors, kind, None) or (RuntimeFailure if kind == "RuntimeFailure" else MosaicError)
+            cls = RuntimeFailure if kind == "RuntimeFailure" else getattr(_errors, kind, None)
             if not (isinstance(cls, type) and issubclass(cls, MosaicError)):
                 cls = MosaicError
-            raise cls(message)
+            err = cls.__new__(cls)  # the same class (its exit status), whatever its constructor takes
+            Exception.__init__(err, message)
+            raise err
         return reply, data
 
     def call(self, doing: str, head: dict, arrays: dict[str, np.ndarray] | None = None,
