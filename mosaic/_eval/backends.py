@@ -109,6 +109,11 @@ class GGUFBackend:
         self.n_vocab = self._model.n_vocab
         self.batch = batch
 
+    @property
+    def loaded(self) -> LoadedModel:
+        """The runtime's model (in mosaic's llama.cpp worker: the panel is run there, where its logits are)."""
+        return self._model
+
     def tokenize(self, text: str) -> list[int]:
         return self._model.tokenize(text)
 

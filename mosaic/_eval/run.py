@@ -176,7 +176,7 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
         "batch": batch,
         "runtime": used.as_dict() if used else None,
         "tokens": sum(len(t) for t in teacher.row_tokens),
-        "positions": _positions(teacher.row_tokens, ctx),
+        "positions": positions(teacher.row_tokens, ctx),
         "rows": len(rows.texts),
         "candidates": results,
         "comparisons": [compare(results[0], r) for r in results[1:]],
@@ -217,12 +217,8 @@ def check_tokens(c: Backend, ref: Reference, rows: Rows) -> None:
     _check_tokens(c, _Teacher.of(ref), rows)
 
 
-def _positions(row_tokens: list[list[int]], ctx: int) -> int:
-    return positions(row_tokens, ctx)
-
-
 def _remote(b: Backend) -> RemoteModel | None:
-    m = getattr(b, "_model", None)
+    m = getattr(b, "loaded", None)
     return m if isinstance(m, RemoteModel) else None
 
 
@@ -231,15 +227,14 @@ def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter
     """Every candidate's per-position scores; with ``keep``, the live teacher's top-k of every position. GGUF
     models are scored in their llama.cpp worker, where their logits are; EXL3 models here."""
     what = f"{n_rows} rows, {len(cands)} candidate(s)" if cands else f"{n_rows} rows, the teacher alone"
-    advance = progress.step(f"{what} against {teacher.name}", _positions(teacher.row_tokens, ctx))
+    advance = progress.step(f"{what} against {teacher.name}", positions(teacher.row_tokens, ctx))
     saved = teacher.saved
     job = Job(teacher.row_tokens, ctx, teacher.k, CHUNK_FLOATS, keep,
               saved.top_ids if saved is not None else None, saved.top_lp if saved is not None else None)
-    models = ([teacher.live] if teacher.live else []) + list(cands)
-    remote = [_remote(m) for m in models]
-    if all(r is not None for r in remote):
-        live = remote[0] if teacher.live else None
-        out = score_in_worker(job, live, [r for r in remote[1 if teacher.live else 0:] if r is not None], advance)
+    live = _remote(teacher.live) if teacher.live else None
+    remote = [r for r in map(_remote, cands) if r is not None]
+    if len(remote) == len(cands) and (live is not None) == (teacher.live is not None):
+        out = score_in_worker(job, live, remote, advance)
     else:
         out = score(job, teacher.live, cands, advance)
     return out.scores, (out.kept_ids, out.kept_lp)

@@ -23,16 +23,12 @@ class WireError(Exception):
 
 
 def send(f: BinaryIO, head: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
-    arrays = arrays or {}
-    listed = []
-    for name, a in arrays.items():
-        a = np.ascontiguousarray(a)
-        arrays[name] = a
-        listed.append([name, a.dtype.str, list(a.shape)])
+    laid = {name: np.ascontiguousarray(a) for name, a in (arrays or {}).items()}
+    listed = [[name, a.dtype.str, list(a.shape)] for name, a in laid.items()]
     raw = json.dumps({**head, "arrays": listed} if listed else head, separators=(",", ":")).encode()
     f.write(len(raw).to_bytes(_LEN, "little"))
     f.write(raw)
-    for a in arrays.values():
+    for a in laid.values():
         if a.nbytes:
             f.write(memoryview(a).cast("B"))
     f.flush()

@@ -83,12 +83,11 @@ class Worker:
         # with verbose, llama.cpp's lines reach the terminal's stderr (never stdout: --json owns it)
         out: Any = 2 if verbose else self._log
         err: Any = None if verbose else self._log
-        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "mosaic._eval.worker_main", str(to_child), str(from_child)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(to_child, from_child),
-                start_new_session=True, env=env, close_fds=True)
+                start_new_session=True, close_fds=True)
         finally:
             os.close(to_child)
             os.close(from_child)
@@ -216,9 +215,6 @@ class RemoteModel:
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._req("tokenizing with", {"op": "tokenize", "texts": [text]})[0]["ok"][0])
-
-    def tokenize_all(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(t) for t in self._req("tokenizing with", {"op": "tokenize", "texts": list(texts)})[0]["ok"]]
 
     def piece(self, token: int) -> bytes:
         return self._req("reading a token of", {"op": "piece", "token": int(token)})[1]["piece"].tobytes()
