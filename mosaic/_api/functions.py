@@ -586,6 +586,7 @@ def measure(
     ctx: int | None = None,
     top_k: int | None = None,
     shard: str | None = None,
+    imatrix: PathLike | None = None,
     merge: Sequence[PathLike] | None = None,
     out: PathLike = "measurement.json",
     workdir: PathLike | None = None,
@@ -605,6 +606,8 @@ def measure(
     ``text``) or ``"swaps"`` (every "base + one unit from one donor" run). ``calibrate``: ``"units"`` (each
     unit its own) or ``"kinds"`` (each kind of unit pooled over ``only_layers``, given to every layer).
     ``unit``: ``layer``, ``layer-experts`` or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list.
+    ``imatrix``: an importance matrix (llama-imatrix's GGUF or legacy ``.dat``, a file or a pinned hub file
+    ``"ORG/NAME@COMMIT:FILE"``) that weights every weight error by each input channel's importance (GGUF bases).
     ``shard``: ``"K/N"``, this run's share of the candidates; ``merge``: the shards' documents to join
     (then no other input). Each result is kept durably in ``<out>.partial`` as it finishes; ``resume``
     continues one with the same inputs; ``force`` replaces.
@@ -629,7 +632,7 @@ def measure(
         from mosaic._measure.shards import merge as _merge
 
         given = [k for k, v in (("base", base), ("donors", donors), ("reference", reference), ("text", text),
-                                ("shard", shard), ("only_layers", only_layers)) if v is not None]
+                                ("shard", shard), ("only_layers", only_layers), ("imatrix", imatrix)) if v is not None]
         if given:
             raise MosaicError(f"--merge joins the shards' documents alone: {', '.join(given)} not used")
         return MeasureResult(Path(out), _merge([Path(p) for p in merge], Path(out), force=force))
@@ -646,7 +649,8 @@ def measure(
         layers = ",".join(str(int(la)) for la in only_layers)
     req = MeasureRequest(os.fspath(base), _donor_list(donors or []), None if reference is None else os.fspath(reference),
                          None if text is None else Path(text), unit, layers, ctx, top_k, Path(out), resume, force,
-                         None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard)
+                         None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard,
+                         None if imatrix is None else os.fspath(imatrix))
     with _running(progress, unit="candidates") as r:
         doc = _measure(req, r)
     return MeasureResult(Path(out), doc)

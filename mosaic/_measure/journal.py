@@ -15,6 +15,7 @@ from pathlib import Path
 from mosaic._base.errors import FormatError, MosaicError
 from mosaic._build.run import fsync_dir
 from mosaic._formats.safetensors_reader import strict_json_loads
+from mosaic._measure.importance import imatrix_name
 
 FORMAT = "mosaic.measurement-journal/v1"
 
@@ -67,6 +68,12 @@ class Journal:
         if not isinstance(head, dict) or head.get("format") != FORMAT:
             raise FormatError(f"{path}: not a measurement journal (format {head.get('format') if isinstance(head, dict) else None!r})")
         diff = _first_difference(head.get("fingerprint"), fingerprint)
+        if diff is not None and diff.startswith("settings.imatrix"):
+            was = ((head.get("fingerprint") or {}).get("settings") or {}).get("imatrix") or {}
+            now = (fingerprint.get("settings") or {}).get("imatrix") or {}
+            raise MosaicError(f"--resume: {path} was measured with another importance matrix "
+                              f"({imatrix_name(was)}, not {imatrix_name(now)}); measure again without --resume "
+                              "(--force replaces the journal)")
         if diff is not None:
             raise MosaicError(f"--resume: {path} was measured with other inputs ({diff} changed); "
                               "measure again without --resume (--force replaces the journal)")

@@ -49,6 +49,7 @@ from mosaic._measure.calibrate import (
     top_versions,
     unit_key,
 )
+from mosaic._measure.importance import load_importance
 from mosaic._measure.journal import Journal, journal_path
 from mosaic._measure.parts import check_space
 from mosaic._measure.shards import Shard, in_shard, parse_shard
@@ -80,6 +81,7 @@ class MeasureRequest:
     method: str = "top-down"
     calibrate: str = "units"
     shard: str | None = None
+    imatrix: str | None = None
 
 
 def _remove_stale_work(workdir: Path, name: str) -> None:
@@ -160,8 +162,13 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
     if jpath.exists() and not req.resume and not req.force:
         raise OutputError(f"{jpath}: an interrupted measurement is here; --resume continues it, --force starts over")
 
+    gguf = is_gguf_src(req.base)
+    if req.imatrix is not None and not gguf:
+        raise MosaicError(f"--imatrix weights the errors of GGUF tensors, and the base {req.base} is an EXL3 checkpoint "
+                          "(its quantizer weighs its own errors); leave --imatrix out")
     rows = load_rows(req.text) if req.text is not None else None  # cheap checks first: the side hashes the sources
-    side = gguf_side(req, progress) if is_gguf_src(req.base) else exl3_side(req, progress)
+    side = gguf_side(req, progress) if gguf else exl3_side(req, progress)
+    importance = load_importance(req.imatrix, side.tensors, progress) if req.imatrix is not None else None
     measured_units = _measured_units(req, side)
 
     reference: dict | None = None
@@ -183,12 +190,14 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
         reference = {"source": req.reference, "kind": "model", "model": req.reference,
                      "files": side.reference_files(req.reference, progress)}
     threads = req.threads or default_threads()
-    errors = side.weight_errors(req.reference, threads, progress)
+    errors = side.weight_errors(req.reference, threads, progress, importance)
     layers = sorted(side.layers) if side.layers is not None else None
     settings: dict = {"unit": side.unit, "ctx": ctx, "top_k": k, "layers": layers,
                       "kl": None if k is None else {"kind": "top-k lower bound", "k": k},
                       "method": req.method, "calibrate": req.calibrate, "weights_reference": errors.reference,
                       "dkl": "weight error" if req.method == "weights" else "nats"}
+    if importance is not None:
+        settings["imatrix"] = importance.record(errors.weighted)
     plan = _Plan(side, errors, req.method, measured_units, shard)
     if shard is not None:
         settings["shard"] = {"k": shard.k, "n": shard.n, "units": [unit_key(side.units[u].layer, side.units[u].group)

@@ -20,6 +20,7 @@ from pathlib import Path
 from mosaic._base.errors import MosaicError, OutputError, VerificationError
 from mosaic._base.lock import output_lock
 from mosaic._measure.calibrate import BASE, complete, unit_key
+from mosaic._measure.importance import imatrix_name
 from mosaic._plan.measurement import SCHEMA_ID, dumps, load_measurement, validation_errors
 
 _SHARD_RE = re.compile(r"^(\d+)/(\d+)$")
@@ -121,6 +122,10 @@ def _merge(parts: list[Path], out: Path, force: bool) -> dict:
     first_path, first = by_k[min(by_k)]
     want = _inputs(first)
     for p, d in zip(parts, docs):
+        mine, theirs = d["settings"].get("imatrix"), first["settings"].get("imatrix")
+        if p != first_path and mine != theirs:
+            raise MosaicError(f"{p}: measured with another importance matrix than {first_path} "
+                              f"({imatrix_name(mine)}, not {imatrix_name(theirs)})")
         if p != first_path and _inputs(d) != want:
             raise MosaicError(f"{p}: measured with other inputs or settings than {first_path} "
                               f"({_first_difference(_inputs(d), want)} differs)")

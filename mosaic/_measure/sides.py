@@ -25,6 +25,7 @@ from mosaic._checkpoint.gguf_model import GGUFModel
 from mosaic._eval.reference import Reference, is_reference_file
 from mosaic._eval.rows import Rows
 from mosaic._measure.backends import GGUFScorer, Scorer, exl3_scorer
+from mosaic._measure.importance import Importance
 from mosaic._measure.parts import part_bytes
 from mosaic._measure.weights import Errors, exl3_errors, gguf_errors
 from mosaic._plan.gguf_units import Unit, dbytes, default_unit, donor_has, gguf_units
@@ -48,7 +49,8 @@ class Side:
     space_needed: Callable[[Iterable[tuple[int, str]]], int]
     scorer: Callable[[Iterable[tuple[int, str]], Reference, Rows, Path, object, Reporter], Scorer]
     reference_files: Callable[[str, Reporter], list[dict]]
-    weight_errors: Callable[[str | None, int, Reporter], Errors]
+    weight_errors: Callable[[str | None, int, Reporter, Importance | None], Errors]
+    tensors: dict[str, tuple[int, ...]]  # the base's tensors' ggml ne (GGUF; what an importance matrix is checked against)
 
 
 def parse_layer_list(text: str) -> set[int]:
@@ -121,14 +123,15 @@ def gguf_side(req: object, progress: Reporter) -> Side:
     def reference_files(src: str, progress: Reporter) -> list[dict]:
         return open_reference(src)[1]
 
-    def weight_errors(teacher: str | None, threads: int, progress: Reporter) -> Errors:
+    def weight_errors(teacher: str | None, threads: int, progress: Reporter, importance: Importance | None) -> Errors:
         t = None
         if teacher is not None and not is_reference_file(teacher) and is_gguf_src(teacher):
             model, recs = open_reference(teacher)
             t = (model, _digests(recs))
         models: dict[str, object] = {"base": base, **donors}
         digests = {"base": _digests(base_files), **{d: _digests(files[d]) for d in donors}}
-        return gguf_errors(units, models, digests, t, threads, progress)
+        return gguf_errors(units, models, digests, t, threads, progress,
+                           None if importance is None else (importance.imatrix, importance.sha256))
 
     def scorer(pairs: Iterable[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
         return GGUFScorer(base, donors, units, pairs, ref, rows, work, threads=req.threads,  # type: ignore[attr-defined]
@@ -139,7 +142,7 @@ def gguf_side(req: object, progress: Reporter) -> Side:
         lambda: get_runtime(threads=r.threads, verbose=r.verbose).info.as_dict(),  # type: ignore[attr-defined]
         lambda ui, d: _same_gguf_bytes(units[ui], base, donors[d]),
         lambda pairs: part_bytes(base, units, donors, pairs),
-        scorer, reference_files, weight_errors,
+        scorer, reference_files, weight_errors, {t.name: t.ne for t in base.tensors},
     )
 
 
@@ -194,7 +197,7 @@ def exl3_side(req: object, progress: Reporter) -> Side:
         spec, folder = parse_source(src, "--reference", "reference")
         return folder_records(_load(spec, folder, "reference"), progress)
 
-    def weight_errors(teacher: str | None, threads: int, progress: Reporter) -> Errors:
+    def weight_errors(teacher: str | None, threads: int, progress: Reporter, importance: Importance | None) -> Errors:
         digests = {"base": _digests(base_files), **{d: _digests(donor_files[d]) for d in donors}}
         t = None
         if teacher is not None and not is_reference_file(teacher) and Path(teacher).is_dir():
@@ -206,4 +209,4 @@ def exl3_side(req: object, progress: Reporter) -> Side:
 
     return Side("exl3", kind, only, units, selected, versions, sizes, base.ckpt.shard_bytes, base_files, donor_files,
                 lambda: runtime if runtime is not None else EXL3_RUNTIME(), lambda ui, d: False, lambda pairs: 0,
-                scorer, reference_files, weight_errors)
+                scorer, reference_files, weight_errors, {})

@@ -35,6 +35,7 @@ from mosaic._base.hashing import parallel_map
 from mosaic._base.progress import SILENT, Reporter
 from mosaic._build.digest_cache import cache_root
 from mosaic._eval.backends import exllamav3_rows
+from mosaic._formats.imatrix import Imatrix
 
 #: Working memory of all threads together, whatever the tensors (raw bytes, dequantized floats, float64
 #: copies and the difference of the chunks in flight).
@@ -59,6 +60,8 @@ class Stored:
     type_id: int
     elements: int
     key: str  # "<SHA-256 of its file>:<tensor name>": the same key is the same bytes
+    row: int = 0  # elements per row (ggml's ne[0], the input width); 0: unknown (no weighting possible)
+    experts: int = 1  # the stacked experts of a 3-D expert tensor (ne[2]); 1 otherwise
 
     @property
     def bits_per_weight(self) -> float:
@@ -105,19 +108,48 @@ def _read(fd: int, t: Stored, first: int, count: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
+def _weighted(m: np.ndarray, row0: int, rows_per_expert: int, s: np.ndarray) -> float:
+    """``Σ_{r,j} s[e(r), j] · m[r, j]`` for the rows ``row0 ..`` of a tensor whose expert ``e(r)`` is
+    ``r // rows_per_expert``: each expert's rows summed into one row first, then one dot product with its
+    weights (a chunk may straddle experts)."""
+    total = 0.0
+    end = row0 + m.shape[0]
+    r = row0
+    while r < end:
+        e = r // rows_per_expert
+        stop = min(end, (e + 1) * rows_per_expert)
+        total += float(np.dot(m[r - row0 : stop - row0].sum(axis=0), s[e]))
+        r = stop
+    return total
+
+
 def squared_errors(ref: Stored, versions: Sequence[Stored], chunk: int,
-                   on_elements: Callable[[int], None] | None = None) -> tuple[float, list[float]]:
+                   on_elements: Callable[[int], None] | None = None,
+                   weights: np.ndarray | None = None) -> tuple[float, list[float]]:
     """``(Σ W_ref², [Σ (W_v − W_ref)² for each version])``, float64 sums over chunks of ``chunk`` elements
-    (a multiple of every block size involved); one read of the reference for all versions."""
+    (a multiple of every block size involved); one read of the reference for all versions. With ``weights``
+    (``s``, shape ``(experts, row)``: an importance matrix's values over their mean) every square is weighted
+    by its input channel's ``s`` (its expert's row of it), and ``chunk`` must be a multiple of the row."""
     for v in versions:
         if v.elements != ref.elements:
             raise MosaicError(f"{v.key}: {v.elements} elements, its reference {ref.key} {ref.elements}")
+    rows_per_expert = 0
+    if weights is not None:
+        if ref.row <= 0 or chunk % ref.row or weights.shape != (ref.experts, ref.row):
+            raise ValueError(f"{ref.key}: weights of shape {weights.shape} for rows of {ref.row} in {ref.experts} expert(s)")
+        rows_per_expert = ref.elements // (ref.row * ref.experts)
     fds: dict[Path, int] = {}
 
     def fd(p: Path) -> int:
         if p not in fds:
             fds[p] = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         return fds[p]
+
+    def total(x: np.ndarray, first: int) -> float:  # Σ x² (x is the chunk's values or their differences)
+        if weights is None:
+            return float(np.dot(x, x))
+        np.multiply(x, x, out=x)
+        return _weighted(x.reshape(-1, ref.row), first // ref.row, rows_per_expert, weights)
 
     sq = 0.0
     errs = [0.0] * len(versions)
@@ -127,14 +159,14 @@ def squared_errors(ref: Stored, versions: Sequence[Stored], chunk: int,
             check_cancel()
             count = min(chunk, ref.elements - first)
             r = _dequantize(_read(fd(ref.path), ref, first, count), ref.type_id, f"{ref.path}: tensor {name!r}").astype(np.float64)
-            sq += float(np.dot(r, r))
             for i, v in enumerate(versions):
                 if v.key == ref.key:
                     continue  # the reference itself (its own pair holds its Σ W_ref²): no error
                 w = _dequantize(_read(fd(v.path), v, first, count), v.type_id, f"{v.path}: tensor {name!r}").astype(np.float64)
                 np.subtract(w, r, out=w)
-                errs[i] += float(np.dot(w, w))
+                errs[i] += total(w, first)
                 del w
+            sq += total(r, first)
             del r
             if on_elements is not None:
                 on_elements(count * (1 + len(versions)))
@@ -148,13 +180,14 @@ def squared_errors(ref: Stored, versions: Sequence[Stored], chunk: int,
 
 
 class Cache:
-    """Sums already computed, one JSON line per (reference tensor, version tensor) pair, in one file per
-    reference file (``<cache>/weights/<sha256>.jsonl``). Keys hold the files' SHA-256, so an entry can only
-    be the sum of those very bytes; a file that cannot be read or written only costs time."""
+    """Sums already computed, one JSON line per (reference tensor, version tensor, weighting) triple, in one
+    file per reference file (``<cache>/weights/<sha256>.jsonl``). Keys hold the files' SHA-256 (and, for a
+    weighted sum, the importance matrix's), so an entry can only be the sum of those very bytes; a file that
+    cannot be read or written only costs time."""
 
     def __init__(self, root: Path | None) -> None:
         self._root = None if root is None else root / "weights"
-        self._known: dict[tuple[str, str], tuple[float, float]] = {}
+        self._known: dict[tuple[str, str, str], tuple[float, float]] = {}
         self._loaded: set[str] = set()
         self._lock = threading.Lock()
 
@@ -176,26 +209,29 @@ class Cache:
                 rec = json.loads(line)
                 if rec.get("format") != _CACHE_FORMAT:
                     continue
-                self._known[(str(rec["ref"]), str(rec["version"]))] = (float(rec["err"]), float(rec["sq"]))
+                key = (str(rec["ref"]), str(rec["version"]), str(rec.get("weights", "")))
+                self._known[key] = (float(rec["err"]), float(rec["sq"]))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a line cut short by an interrupted run
 
-    def get(self, ref_key: str, version_key: str) -> tuple[float, float] | None:
+    def get(self, ref_key: str, version_key: str, weights: str = "") -> tuple[float, float] | None:
         with self._lock:
             self._load(ref_key)
-            return self._known.get((ref_key, version_key))
+            return self._known.get((ref_key, version_key, weights))
 
-    def put(self, ref_key: str, version_key: str, err: float, sq: float) -> None:
+    def put(self, ref_key: str, version_key: str, err: float, sq: float, weights: str = "") -> None:
         with self._lock:
-            self._known[(ref_key, version_key)] = (err, sq)
+            self._known[(ref_key, version_key, weights)] = (err, sq)
             path = self._file(ref_key)
             if path is None:
                 return
-            line = json.dumps({"format": _CACHE_FORMAT, "ref": ref_key, "version": version_key, "err": err, "sq": sq})
+            rec: dict[str, object] = {"format": _CACHE_FORMAT, "ref": ref_key, "version": version_key, "err": err, "sq": sq}
+            if weights:
+                rec["weights"] = weights
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with open(path, "a", encoding="utf-8") as f:
-                    f.write(line + "\n")
+                    f.write(json.dumps(rec) + "\n")
             except OSError:
                 return
 
@@ -204,31 +240,44 @@ class Cache:
 
 
 @dataclass(frozen=True)
+class Weighting:
+    """The importance of a tensor's input channels: ``key`` names it in the cache (the importance matrix's
+    SHA-256), ``load`` reads ``s`` (shape ``(experts, row)``, mean 1) when the tensor's sums are computed."""
+
+    key: str
+    load: Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
 class Task:
-    """One tensor: its reference and every version of it whose error is wanted."""
+    """One tensor: its reference, every version of it whose error is wanted, and its weighting (``None``:
+    every input channel weighs the same)."""
 
     name: str
     ref: Stored
     versions: tuple[Stored, ...]
+    weighting: Weighting | None = None
 
 
 def tensor_sums(tasks: Sequence[Task], threads: int, progress: Reporter = SILENT,
                 cache: Cache | None = None) -> dict[tuple[str, str], tuple[float, float]]:
-    """``(reference key, version key) -> (Σ (W_v − W_ref)², Σ W_ref²)`` for every version of every task:
-    cached sums taken as they are, the rest computed on ``threads`` threads."""
+    """``(reference key, version key) -> (Σ (W_v − W_ref)², Σ W_ref²)`` for every version of every task (each
+    square weighted by the task's weighting, if it has one): cached sums taken as they are, the rest computed
+    on ``threads`` threads."""
     cache = cache if cache is not None else Cache(cache_root())
     out: dict[tuple[str, str], tuple[float, float]] = {}
     todo: list[Task] = []
     for t in tasks:
+        wkey = t.weighting.key if t.weighting is not None else ""
         missing = []
         for v in t.versions:
-            hit = cache.get(t.ref.key, v.key)
+            hit = cache.get(t.ref.key, v.key, wkey)
             if hit is None:
                 missing.append(v)
             else:
                 out[(t.ref.key, v.key)] = hit
         if missing:
-            todo.append(Task(t.name, t.ref, tuple(dict.fromkeys(missing))))
+            todo.append(Task(t.name, t.ref, tuple(dict.fromkeys(missing)), t.weighting))
     if not todo:
         return out
     types = {x.type_id for t in todo for x in (t.ref, *t.versions)}
@@ -236,9 +285,13 @@ def tensor_sums(tasks: Sequence[Task], threads: int, progress: Reporter = SILENT
     advance = progress.step("weight errors (dequantized and compared)", sum(t.ref.elements * (1 + len(t.versions)) for t in todo))
 
     def one(t: Task) -> tuple[Task, float, list[float]]:
-        sq, errs = squared_errors(t.ref, t.versions, chunk, advance)
+        if t.weighting is None:
+            sq, errs = squared_errors(t.ref, t.versions, chunk, advance)
+        else:  # whole rows per chunk, so that each square meets its channel's weight
+            rows = max(1, chunk // t.ref.row)
+            sq, errs = squared_errors(t.ref, t.versions, rows * t.ref.row, advance, t.weighting.load())
         for v, e in zip(t.versions, errs):
-            cache.put(t.ref.key, v.key, e, sq)
+            cache.put(t.ref.key, v.key, e, sq, t.weighting.key if t.weighting is not None else "")
         return t, sq, errs
 
     # the largest first, so that the threads finish together
@@ -260,18 +313,24 @@ class Errors:
 
     eps: dict[tuple[int, str], float]
     reference: str
+    weighted: tuple[str, ...] = ()  # the tensors whose squares an importance matrix weighted
 
 
 def _stored(model: object, t: object, digests: dict[str, str]) -> Stored:
-    return Stored(model.path(t.file), t.start, t.nbytes, t.type_id, t.elements, f"{digests[t.file]}:{t.name}")  # type: ignore[attr-defined]
+    ne = t.ne  # type: ignore[attr-defined]
+    return Stored(model.path(t.file), t.start, t.nbytes, t.type_id, t.elements, f"{digests[t.file]}:{t.name}",  # type: ignore[attr-defined]
+                  ne[0], ne[2] if len(ne) >= 3 else 1)
 
 
 def gguf_errors(units: Sequence[object], versions: dict[str, object], digests: dict[str, dict[str, str]],
-                teacher: tuple[object, dict[str, str]] | None, threads: int, progress: Reporter = SILENT) -> Errors:
+                teacher: tuple[object, dict[str, str]] | None, threads: int, progress: Reporter = SILENT,
+                importance: tuple[Imatrix, str] | None = None) -> Errors:
     """The weight errors of GGUF units. ``versions``: ``"base"`` and each donor id → its model (base first,
     then the donors in order: the order that breaks a tie of bits per weight); ``digests``: each version's
-    file name → SHA-256; ``teacher``: the teacher model and its digests, when it is a model. A unit's
-    versions are the base's and those of the donors holding every tensor of it with the base's shape."""
+    file name → SHA-256; ``teacher``: the teacher model and its digests, when it is a model; ``importance``:
+    an importance matrix checked against the base (:meth:`Imatrix.for_model`) and its SHA-256, whose values
+    weight every square of the tensors it holds (the others keep ``s = 1``). A unit's versions are the base's
+    and those of the donors holding every tensor of it with the base's shape."""
     by_name = {vid: m.by_name() for vid, m in versions.items()}  # type: ignore[attr-defined]
     base_t = by_name["base"]
     tmodel, tdig = teacher if teacher is not None else (None, {})
@@ -295,7 +354,10 @@ def gguf_errors(units: Sequence[object], versions: dict[str, object], digests: d
             best = max((vid for vid in versions if holds(vid, n)),
                        key=lambda vid: by_name[vid][n].nbytes / max(1, by_name[vid][n].elements))
             refs[n] = stored(best, n)
-        tasks.append(Task(n, refs[n], (refs[n], *(stored(vid, n) for vid in versions if holds(vid, n)))))
+        weighting = None
+        if importance is not None and n in importance[0].entries and not importance[0].entries[n].empty:
+            weighting = Weighting(importance[1], lambda n=n: importance[0].weights(n))
+        tasks.append(Task(n, refs[n], (refs[n], *(stored(vid, n) for vid in versions if holds(vid, n))), weighting))
     sums = tensor_sums(tasks, threads, progress)
     eps: dict[tuple[int, str], float] = {}
     for ui, u in enumerate(units):
@@ -306,7 +368,8 @@ def gguf_errors(units: Sequence[object], versions: dict[str, object], digests: d
             sq = sum(sums[(refs[n].key, refs[n].key)][1] for n in u.tensors)  # type: ignore[attr-defined]
             eps[(ui, vid)] = ratio(err, sq)
     kind = MIXED if 0 < from_teacher < len(refs) else TEACHER if from_teacher else MOST_BITS
-    return Errors(eps, kind)
+    weighted = tuple(t.name for t in tasks if t.weighting is not None)
+    return Errors(eps, kind, weighted)
 
 
 # ------------------------------------------------------------------------------------------------ EXL3

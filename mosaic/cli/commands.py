@@ -413,6 +413,9 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--only-layers", "only_layers", default=None, metavar="LIST", help="Measure only these layers, e.g. 0-5,9,12.")
 @click.option("--ctx", type=click.IntRange(2, 1 << 20), default=None, help="Tokens per window (default 512, or the saved reference's).")
 @click.option("--top-k", "top_k", type=click.IntRange(1, 1 << 16), default=None, help="Teacher log-probabilities kept per position (default 32).")
+@click.option("--imatrix", "imatrix", default=None, metavar="SRC",
+              help="An importance matrix (llama-imatrix's .gguf or .dat; a file or org/name@<commit>:<file>) weighting "
+                   "every weight error by how much each input channel matters (GGUF bases).")
 @click.option("--shard", default=None, metavar="K/N", help="Run only the K-th of N shares of the candidates (join the parts with --merge).")
 @click.option("--merge", is_flag=True, help="Join the documents PART.json... of a sharded measurement into --out (no other input).")
 @click.option("--out", "out", type=click.Path(path_type=Path), default=Path("measurement.json"), show_default=True,
@@ -427,8 +430,8 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @_guarded
 def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], reference: str | None, text: Path | None,
                 method: str, calibrate: str, unit: str | None, only_layers: str | None, ctx: int | None, top_k: int | None,
-                shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool, force: bool,
-                threads: int | None, verbose: bool, as_json: bool) -> None:
+                imatrix: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
+                force: bool, threads: int | None, verbose: bool, as_json: bool) -> None:
     """Measure what each unit buys from each donor, on the model, for mosaic plan: by default from the weight
     errors in the files, calibrated from the top (one forward pass per unit); --merge joins a sharded one."""
     from mosaic.cli.render import render_measurement
@@ -439,12 +442,12 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
         raise MosaicError("--merge: name the shards' documents (PART.json ...)")
     if merge:
         res = api.measure(merge=list(parts), out=out, force=force, base=base, donors=list(donors) or None,
-                          reference=reference, text=text, shard=shard, only_layers=only_layers)
+                          reference=reference, text=text, shard=shard, only_layers=only_layers, imatrix=imatrix)
     else:
         if base is None or not donors:
             raise MosaicError("give --base SRC and at least one --donor ID=SRC (or --merge PART.json ...)")
         res = api.measure(base=base, donors=list(donors), reference=reference, text=text, method=method, calibrate=calibrate,
-                          unit=unit, only_layers=only_layers, ctx=ctx, top_k=top_k, shard=shard, out=out, workdir=workdir,
+                          unit=unit, only_layers=only_layers, ctx=ctx, top_k=top_k, shard=shard, imatrix=imatrix, out=out, workdir=workdir,
                           resume=resume, force=force, threads=threads, verbose=verbose, progress=_bars(as_json))
     doc = res.as_dict()
     if as_json:

@@ -231,3 +231,87 @@ def requantize(src: Path, folder: Path, names: list[str]) -> dict[str, Path]:
             tmp.rename(dst)
         out[name] = dst
     return out
+
+
+def imatrix_targets(geo: Geometry) -> dict[str, tuple[int, int]]:
+    """The weights llama-imatrix collects for a model of ``geo`` (every matrix multiplication but the output's):
+    name -> (input width, experts)."""
+    out: dict[str, tuple[int, int]] = {}
+    hd = geo.n_embd // geo.n_head
+    for i in range(geo.n_layer):
+        p = f"blk.{i}."
+        for k in ("attn_q", "attn_k", "attn_v"):
+            out[p + k + ".weight"] = (geo.n_embd, 1)
+        out[p + "attn_output.weight"] = (geo.n_head * hd, 1)
+        if geo.n_expert:
+            out[p + "ffn_gate_inp.weight"] = (geo.n_embd, 1)
+            out[p + "ffn_gate_exps.weight"] = (geo.n_embd, geo.n_expert)
+            out[p + "ffn_up_exps.weight"] = (geo.n_embd, geo.n_expert)
+            out[p + "ffn_down_exps.weight"] = (geo.n_ff, geo.n_expert)
+        else:
+            out[p + "ffn_gate.weight"] = (geo.n_embd, 1)
+            out[p + "ffn_up.weight"] = (geo.n_embd, 1)
+            out[p + "ffn_down.weight"] = (geo.n_ff, 1)
+    return out
+
+
+def imatrix_values(targets: dict[str, tuple[int, int]], seed: int, chunk_size: int = 64,
+                   chunks: int = 8) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Made-up statistics for ``targets``: per weight (Σx² per expert row and input channel, tokens per row),
+    as llama-imatrix collects them (uneven channels; an expert routed to more than another; the last expert of
+    an expert tensor never routed to: its row and count are 0)."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    tokens = chunk_size * chunks
+    for name, (n_in, experts) in targets.items():
+        counts = np.full(experts, float(tokens), dtype=np.float32)
+        if experts > 1:
+            counts = rng.integers(1, tokens, size=experts).astype(np.float32)
+            counts[-1] = 0.0
+        per_token = (rng.gamma(0.7, 1.0, size=(experts, n_in)) * rng.uniform(0.2, 3.0, size=(1, n_in))).astype(np.float32)
+        out[name] = ((per_token * counts[:, None]).astype(np.float32), counts)
+    return out
+
+
+def write_imatrix(path: str | Path, values: dict[str, tuple[np.ndarray, np.ndarray]], *, fmt: str = "gguf",
+                  datasets: tuple[str, ...] = ("calibration.txt",), chunk_count: int = 8, chunk_size: int = 64) -> Path:
+    """An importance matrix in llama-imatrix's layout, written independently of mosaic: GGUF by gguf-py
+    (``general.type`` imatrix, ``<name>.in_sum2`` and ``<name>.counts``, no architecture key), or the legacy
+    ``.dat`` (per-token means × the call count per row; a row never routed to stored as 1, as llama.cpp does)."""
+    import struct
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "gguf":
+        import gguf
+
+        w = gguf.GGUFWriter(path, "llama")
+        del w.kv_data[0]["general.architecture"]  # llama-imatrix writes none
+        w.add_type("imatrix")
+        w.add_array("imatrix.datasets", list(datasets))
+        w.add_uint32("imatrix.chunk_count", chunk_count)
+        w.add_uint32("imatrix.chunk_size", chunk_size)
+        for name in sorted(values):
+            sums, counts = values[name]
+            w.add_tensor(name + ".in_sum2", sums if sums.shape[0] > 1 else sums.reshape(-1))
+            w.add_tensor(name + ".counts", counts.reshape(-1, 1) if counts.shape[0] > 1 else counts.reshape(1))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+    if fmt != "dat":
+        raise ValueError(f"format {fmt!r}: gguf or dat")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", len(values)))
+        for name in sorted(values):
+            sums, counts = values[name]
+            ncall = int(-(-float(counts.max()) // chunk_size))
+            per_row = np.where(counts[:, None] > 0, sums / np.maximum(counts[:, None], 1), 1.0)
+            data = (per_row * ncall).astype("<f4").reshape(-1)
+            raw = name.encode()
+            f.write(struct.pack("<i", len(raw)) + raw + struct.pack("<ii", ncall, data.size) + data.tobytes())
+        f.write(struct.pack("<i", chunk_count))
+        ds = datasets[-1].encode() if datasets else b""
+        f.write(struct.pack("<i", len(ds)) + ds)
+    return path
