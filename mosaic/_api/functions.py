@@ -587,6 +587,8 @@ def measure(
     top_k: int | None = None,
     shard: str | None = None,
     imatrix: PathLike | None = None,
+    refine: int = 0,
+    max_size: int | str | None = None,
     merge: Sequence[PathLike] | None = None,
     out: PathLike = "measurement.json",
     workdir: PathLike | None = None,
@@ -608,6 +610,9 @@ def measure(
     ``unit``: ``layer``, ``layer-experts`` or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list.
     ``imatrix``: an importance matrix (llama-imatrix's GGUF or legacy ``.dat``, a file or a pinned hub file
     ``"ORG/NAME@COMMIT:FILE"``) that weights every weight error by each input channel's importance (GGUF bases).
+    ``refine``: rounds of measurement where the plan of ``max_size`` bytes (a number or ``"93.5M"``) lands
+    (``top-down``, GGUF): each round runs that plan and one move of every measured unit from it, and scales each
+    kind of unit by what its moves measured against the prediction.
     ``shard``: ``"K/N"``, this run's share of the candidates; ``merge``: the shards' documents to join
     (then no other input). Each result is kept durably in ``<out>.partial`` as it finishes; ``resume``
     continues one with the same inputs; ``force`` replaces.
@@ -627,12 +632,14 @@ def measure(
     """
     from mosaic._measure.run import MeasureRequest
     from mosaic._measure.run import measure as _measure
+    from mosaic._plan.planner import parse_size
 
     if merge is not None:
         from mosaic._measure.shards import merge as _merge
 
         given = [k for k, v in (("base", base), ("donors", donors), ("reference", reference), ("text", text),
-                                ("shard", shard), ("only_layers", only_layers), ("imatrix", imatrix)) if v is not None]
+                                ("shard", shard), ("only_layers", only_layers), ("imatrix", imatrix),
+                                ("max_size", max_size)) if v is not None] + (["refine"] if refine else [])
         if given:
             raise MosaicError(f"--merge joins the shards' documents alone: {', '.join(given)} not used")
         return MeasureResult(Path(out), _merge([Path(p) for p in merge], Path(out), force=force))
@@ -650,7 +657,8 @@ def measure(
     req = MeasureRequest(os.fspath(base), _donor_list(donors or []), None if reference is None else os.fspath(reference),
                          None if text is None else Path(text), unit, layers, ctx, top_k, Path(out), resume, force,
                          None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard,
-                         None if imatrix is None else os.fspath(imatrix))
+                         None if imatrix is None else os.fspath(imatrix), refine,
+                         parse_size(max_size) if isinstance(max_size, str) else max_size)
     with _running(progress, unit="candidates") as r:
         doc = _measure(req, r)
     return MeasureResult(Path(out), doc)

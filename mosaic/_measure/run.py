@@ -52,6 +52,15 @@ from mosaic._measure.calibrate import (
 from mosaic._measure.importance import load_importance
 from mosaic._measure.journal import Journal, journal_path
 from mosaic._measure.parts import check_space
+from mosaic._measure.refine import (
+    kind_ratios,
+    moves,
+    plan_versions,
+    predicted_move,
+    rescale,
+    scales,
+    versions_key,
+)
 from mosaic._measure.shards import Shard, in_shard, parse_shard
 from mosaic._measure.sides import Side, exl3_side, gguf_side
 from mosaic._measure.weights import Errors
@@ -82,6 +91,8 @@ class MeasureRequest:
     calibrate: str = "units"
     shard: str | None = None
     imatrix: str | None = None
+    refine: int = 0  # rounds of measurement at the plan (top-down, GGUF)
+    max_size: int | None = None  # the budget the refinement plans at
 
 
 def _remove_stale_work(workdir: Path, name: str) -> None:
@@ -120,6 +131,16 @@ def _check_request(req: MeasureRequest) -> Shard | None:
     if req.calibrate == "kinds" and not req.only_layers:
         raise MosaicError("--calibrate kinds needs --only-layers: the layers whose units are measured to calibrate each kind")
     shard = parse_shard(req.shard) if req.shard is not None else None
+    if req.refine < 0:
+        raise MosaicError(f"--refine {req.refine}: a number of rounds, at least 1")
+    if req.refine and req.max_size is None:
+        raise MosaicError("--refine needs --max-size SIZE: the budget whose plan the refinement measures around")
+    if req.max_size is not None and not req.refine:
+        raise MosaicError("--max-size is the budget of --refine N; give both (mosaic plan takes the budget otherwise)")
+    if req.refine and req.method != "top-down":
+        raise MosaicError(f"--refine refines the drops of --method top-down, not --method {req.method}")
+    if req.refine and req.shard is not None:
+        raise MosaicError("--refine runs its rounds one after another, each planned from the last: not with --shard")
     if req.method == "weights":
         given = [flag for flag, v in (("--text", req.text), ("--ctx", req.ctx), ("--top-k", req.top_k)) if v is not None]
         if given:
@@ -163,6 +184,8 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
         raise OutputError(f"{jpath}: an interrupted measurement is here; --resume continues it, --force starts over")
 
     gguf = is_gguf_src(req.base)
+    if req.refine and not gguf:
+        raise MosaicError(f"--refine plans and measures GGUF mosaics; the base {req.base} is an EXL3 checkpoint")
     if req.imatrix is not None and not gguf:
         raise MosaicError(f"--imatrix weights the errors of GGUF tensors, and the base {req.base} is an EXL3 checkpoint "
                           "(its quantizer weighs its own errors); leave --imatrix out")
@@ -198,7 +221,12 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
                       "dkl": "weight error" if req.method == "weights" else "nats"}
     if importance is not None:
         settings["imatrix"] = importance.record(errors.weighted)
-    plan = _Plan(side, errors, req.method, measured_units, shard)
+    if req.refine:
+        assert req.max_size is not None
+        if req.max_size < side.base_bytes:
+            raise MosaicError(f"--max-size {req.max_size:,} bytes: smaller than the base alone ({side.base_bytes:,} bytes)")
+        settings["refine"] = {"rounds": req.refine, "max_size": req.max_size}
+    plan = _Plan(side, errors, req.method, measured_units, shard, req.refine)
     if shard is not None:
         settings["shard"] = {"k": shard.k, "n": shard.n, "units": [unit_key(side.units[u].layer, side.units[u].group)
                                                                     for u in measured_units]}
@@ -243,8 +271,9 @@ def _measured_units(req: MeasureRequest, side: Side) -> list[int]:
 class _Plan:
     """What runs: the versions of the top, the candidates of this run (its shard), the laid-out versions."""
 
-    def __init__(self, side: Side, errors: Errors, method: str, measured_units: list[int], shard: Shard | None) -> None:
-        self.side, self.errors, self.method = side, errors, method
+    def __init__(self, side: Side, errors: Errors, method: str, measured_units: list[int], shard: Shard | None,
+                 refine: int = 0) -> None:
+        self.side, self.errors, self.method, self.refine = side, errors, method, refine
         self.measured_units = measured_units
         mine = [u for i, u in enumerate(measured_units) if shard is None or in_shard(i, shard)]
         self.top = top_versions(side.versions, errors.eps, side.dbytes) if method == "top-down" else None
@@ -252,6 +281,8 @@ class _Plan:
             self.top_map = {ui: v for ui, v in enumerate(self.top) if v != BASE}
             self.drops = [ui for ui in mine if self.top[ui] != BASE]  # a unit whose best version is the base's: no drop
             self.pairs = set(self.top_map.items())
+            if refine:  # a plan may take any version of any unit
+                self.pairs |= {(ui, d) for ui, vs in enumerate(side.versions) for d in vs[1:]}
             self.swaps: list[tuple[int, str]] = []
         else:
             self.top_map = {}
@@ -332,7 +363,7 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
     scorer: Scorer | None = None
     work: Path | None = None
     try:
-        if swaps or drops or base_rec is None or need_top:
+        if swaps or drops or base_rec is None or need_top or plan.refine:
             check_space(workdir, side.space_needed(plan.pairs))
             _remove_stale_work(workdir, out.name)
             work = workdir / f".{out.name}.measure-{os.getpid()}"
@@ -379,6 +410,8 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
             journal.add(rec)
             fault_point("candidate")
             advance(1)
+        if plan.refine:
+            _refine(req, journal, plan, head, ref, scorer, work, progress)
     finally:
         if scorer is not None:
             scorer.close()
@@ -440,7 +473,102 @@ def _document(plan: _Plan, records: list[dict], head: dict, ref: Reference) -> d
     doc["results"] = rows
     if plan.shard is not None:  # a part: the calibration needs every shard's drops (mosaic measure --merge)
         return doc
-    return complete(doc)
+    doc = complete(doc)
+    return _with_refinement(doc, records, head) if plan.refine else doc
+
+
+def _with_refinement(doc: dict, records: list[dict], head: dict) -> dict:
+    """The document with the rounds of the refinement that are complete in ``records``: every result's dkl
+    scaled by its kind's ratios, the rounds themselves, and (once the refinement ended) its final plan."""
+    done = {r["round"] for r in records if r["kind"] == "round-done"}
+    rounds = []
+    for r in records:
+        if r["kind"] != "round" or r["round"] not in done:
+            continue
+        mv = [{k: m[k] for k in ("layer", "group", "from", "to", "kl", "dkl", "dkl_se", "predicted")}
+              for m in records if m["kind"] == "move" and m["round"] == r["round"]]
+        rounds.append({"round": r["round"], "versions": r["versions"], "bytes": r["bytes"], "kl": r["kl"], "top1": r["top1"],
+                       "nll": r["nll"], "predicted_kl": r["predicted_kl"], "ratios": kind_ratios(mv), "moves": mv})
+    scale = scales(rounds)
+    doc["results"] = rescale(doc["results"], scale, doc["base"]["kl"])
+    end = next((r for r in records if r["kind"] == "refined"), None)
+    doc["forward_passes"] += sum(1 + len(rd["moves"]) for rd in rounds)
+    doc["refinement"] = {"max_size": head["settings"]["refine"]["max_size"], "rounds": rounds,
+                         "scales": {k: scale[k] for k in sorted(scale)},
+                         "versions": None if end is None else end["versions"],
+                         "converged": None if end is None else end["converged"]}
+    return doc
+
+
+def _plan_at(req: MeasureRequest, side: Side, doc: dict, work: Path) -> tuple[dict[int, str], dict]:
+    """The plan ``mosaic plan --max-size`` makes of ``doc`` at the refinement's budget: ``{unit: donor}`` and
+    the planner's report."""
+    from mosaic._plan.gguf_planner import plan_gguf_mosaic
+    from mosaic._plan.planner import PlanRequest
+
+    path = work / "refine-measurement.json"
+    atomic_write(path, dumps({k: v for k, v in doc.items() if k != "refinement"}))
+    report, _, _, _ = plan_gguf_mosaic(PlanRequest(req.base, req.donors, path, max_size=req.max_size, unit=side.unit))
+    index = {(u.layer, u.group): i for i, u in enumerate(side.units)}
+    return plan_versions(report["chosen"], index), report
+
+
+def _refine(req: MeasureRequest, journal: Journal, plan: _Plan, head: dict, ref: Reference, scorer: Scorer | None,
+            work: Path | None, progress: Reporter) -> None:
+    """The rounds of ``--refine``: plan from the current predictions, run the plan and one move of every measured
+    unit from it (:mod:`.refine`), until the plan repeats or the rounds are spent; each run kept in the journal."""
+    assert scorer is not None and work is not None
+    side, units = plan.side, plan.side.units
+    last: dict[int, str] | None = None
+    converged = False
+    for rnd in range(1, plan.refine + 1):
+        doc = _document(plan, journal.records, head, ref)
+        chosen, report = _plan_at(req, side, doc, work)
+        if last is not None and chosen == last:
+            converged = True
+            break
+        key = versions_key(chosen, units)
+        rec = next((r for r in journal.records if r["kind"] == "round" and r["round"] == rnd), None)
+        if rec is None:
+            t0 = time.monotonic()
+            p = scorer.score(chosen, f"round {rnd}: the plan at {req.max_size:,} bytes")
+            rec = _panel_record("round", p, t0, round=rnd, versions=key, bytes=report["predicted_size"],
+                                predicted_kl=doc["base"]["kl"] + report["predicted_dkl"])
+            journal.add(rec)
+        elif rec["versions"] != key:
+            raise MosaicError(f"--resume: round {rnd} of the refinement planned another mosaic than the interrupted run; "
+                              "measure again without --resume")
+        by_unit: dict[tuple[object, object], dict[str, dict]] = {}
+        for r in doc["results"]:
+            by_unit.setdefault((r["layer"], r["group"]), {})[r["donor"]] = r
+        done = {(m["layer"], m["group"]) for m in journal.records if m["kind"] == "move" and m["round"] == rnd}
+        todo = [mv for mv in moves(chosen, plan.measured_units, side.versions, plan.errors.eps, side.dbytes)
+                if (units[mv[0]].layer, units[mv[0]].group) not in done]
+        advance = progress.step(f"refinement round {rnd}: {len(todo)} moves from the plan", len(todo))
+        plan_kl = [row[0] for row in rec["rows"]]
+        for ui, here, to in todo:
+            u = units[ui]
+            cand = {x: v for x, v in chosen.items() if x != ui}
+            if to != BASE:
+                cand[ui] = to
+            t0 = time.monotonic()
+            p = scorer.score(cand, f"round {rnd}: the plan with {u.describe()} at {to}'s version")
+            c_kl = [r["kl"] for r in p["rows"]]
+            journal.add({"kind": "move", "round": rnd, "layer": u.layer, "group": u.group, "from": here, "to": to,
+                         "kl": p["kl"]["mean"], "dkl": p["kl"]["mean"] - rec["kl"], "dkl_se": _se(c_kl, plan_kl),
+                         "predicted": predicted_move(by_unit, u.layer, u.group, here, to), "seconds": time.monotonic() - t0})
+            fault_point("candidate")
+            advance(1)
+        if not any(r["kind"] == "round-done" and r["round"] == rnd for r in journal.records):
+            journal.add({"kind": "round-done", "round": rnd})
+        last = chosen
+    if not converged:
+        final, _ = _plan_at(req, side, _document(plan, journal.records, head, ref), work)
+        converged = final == last
+        last = final
+    if not any(r["kind"] == "refined" for r in journal.records):
+        assert last is not None
+        journal.add({"kind": "refined", "versions": versions_key(last, units), "converged": converged})
 
 
 def _write(doc: dict, out: Path) -> dict:

@@ -416,6 +416,10 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--imatrix", "imatrix", default=None, metavar="SRC",
               help="An importance matrix (llama-imatrix's .gguf or .dat; a file or org/name@<commit>:<file>) weighting "
                    "every weight error by how much each input channel matters (GGUF bases).")
+@click.option("--refine", type=click.IntRange(1, 100), default=None, metavar="N",
+              help="top-down: up to N rounds measured where the plan of --max-size lands (one move of every unit from it), "
+                   "each kind of unit rescaled by what its moves measured, until the plan repeats.")
+@click.option("--max-size", "max_size", default=None, metavar="SIZE", help="The budget --refine plans at (bytes, or 93.5M, 2GiB...).")
 @click.option("--shard", default=None, metavar="K/N", help="Run only the K-th of N shares of the candidates (join the parts with --merge).")
 @click.option("--merge", is_flag=True, help="Join the documents PART.json... of a sharded measurement into --out (no other input).")
 @click.option("--out", "out", type=click.Path(path_type=Path), default=Path("measurement.json"), show_default=True,
@@ -430,7 +434,7 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @_guarded
 def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], reference: str | None, text: Path | None,
                 method: str, calibrate: str, unit: str | None, only_layers: str | None, ctx: int | None, top_k: int | None,
-                imatrix: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
+                imatrix: str | None, refine: int | None, max_size: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
                 force: bool, threads: int | None, verbose: bool, as_json: bool) -> None:
     """Measure what each unit buys from each donor, on the model, for mosaic plan: by default from the weight
     errors in the files, calibrated from the top (one forward pass per unit); --merge joins a sharded one."""
@@ -442,12 +446,14 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
         raise MosaicError("--merge: name the shards' documents (PART.json ...)")
     if merge:
         res = api.measure(merge=list(parts), out=out, force=force, base=base, donors=list(donors) or None,
-                          reference=reference, text=text, shard=shard, only_layers=only_layers, imatrix=imatrix)
+                          reference=reference, text=text, shard=shard, only_layers=only_layers, imatrix=imatrix,
+                          refine=refine or 0, max_size=max_size)
     else:
         if base is None or not donors:
             raise MosaicError("give --base SRC and at least one --donor ID=SRC (or --merge PART.json ...)")
         res = api.measure(base=base, donors=list(donors), reference=reference, text=text, method=method, calibrate=calibrate,
-                          unit=unit, only_layers=only_layers, ctx=ctx, top_k=top_k, shard=shard, imatrix=imatrix, out=out, workdir=workdir,
+                          unit=unit, only_layers=only_layers, ctx=ctx, top_k=top_k, shard=shard, imatrix=imatrix,
+                          refine=refine or 0, max_size=max_size, out=out, workdir=workdir,
                           resume=resume, force=force, threads=threads, verbose=verbose, progress=_bars(as_json))
     doc = res.as_dict()
     if as_json:
