@@ -1,0 +1,1 @@
+"""The benchmark cases, one module each, over ``bench/harness.py``; ``bench/run.py`` runs them."""
