@@ -1,4 +1,5 @@
-"""One writer per output: ``<out>.lock`` held by measure, build and rebuild; a second writer is refused in one line."""
+"""One writer per output: ``<out>.lock`` held by measure, build, rebuild, export gguf, plan --out and sign; a second
+writer is refused in one line."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from mosaic._base.errors import OutputError
 from mosaic._base.lock import OutputLock, lock_path, output_lock
 from mosaic._build.run import PARTIAL_TAG, build
 from mosaic.cli.commands import main
+from mosaic.testing.exl3 import Geometry as Exl3Geometry
 from mosaic.testing.gguf import Geometry, write_llama_gguf
+from mosaic.testing.keys import write_signing_key
 
 from .conftest import run_cli, tree_digest
 from .test_build import BASE, DONOR, recipe_doc, write_recipe
@@ -423,3 +426,175 @@ def test_rebuild_is_refused_before_it_reads_the_hub(tmp_path: Path, monkeypatch:
     with pytest.raises(AssertionError, match="the hub was read"):  # free: it gets as far as the hub
         mosaic.rebuild(ref, out=out)
     assert list(tmp_path.iterdir()) == []  # and lets go of the lock on the way out
+
+
+# --- mosaic export gguf -------------------------------------------------------------------------------
+
+EXPORT_SRC = Exl3Geometry(arch="llama", layers=2, experts=0, bits=3, codebook="mcg")
+
+
+def one_error_line(r, out: Path, pid: int, command: str) -> None:  # type: ignore[no-untyped-def]
+    """A CliRunner result refused by the lock: exit 2, one ``mosaic: error:`` line naming the holder, no stdout."""
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mosaic: error: "), r.stderr
+    assert_names_holder(lines[0].removeprefix("mosaic: error: "), out, pid, command=command)
+    assert r.stdout == ""
+
+
+def test_export_gguf_is_refused_while_another_holds_the_output_then_takes_over(ckpt_factory, tmp_path: Path) -> None:
+    src = ckpt_factory(EXPORT_SRC)
+    out = tmp_path / "gguf"
+    args = ["export", "gguf", str(src), "--out", str(out)]
+    with held_elsewhere(out, "mosaic export gguf") as holder:
+        one_error_line(CliRunner().invoke(main, args), out, holder.pid, "mosaic export gguf")
+        with pytest.raises(mosaic.MosaicError) as e:  # the API goes through the same lock
+            mosaic.export_gguf(src, out)
+        assert_names_holder(str(e.value), out, holder.pid, command="mosaic export gguf")
+        # no output, no temporary folder; the holder's lock as it was
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["gguf.lock"]
+        assert record(tmp_path / "gguf.lock")["pid"] == holder.pid
+    assert record(tmp_path / "gguf.lock")["pid"] == holder.pid  # left by the kill: taken over by the next export
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gguf"]
+    assert not list(out.rglob("*.lock"))
+    r = CliRunner().invoke(main, ["audit", str(out), "--sources", str(src)])
+    assert r.exit_code == 0, r.output
+    before = tree_digest(out)
+    # an existing output another command holds (a build replacing it): the lock refuses first, touching nothing
+    with held_elsewhere(out, "mosaic build") as holder:
+        one_error_line(CliRunner().invoke(main, args), out, holder.pid, "mosaic build")
+        assert tree_digest(out) == before
+    # free again: the existing output is refused as such, and the lock goes with the refusal
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "already exists" in r.stderr and "another mosaic" not in r.stderr, r.output
+    assert tree_digest(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gguf"]
+
+
+def test_export_gguf_leaves_no_lock_on_failure_and_none_inside_its_source(ckpt_factory, copy_of, tmp_path: Path) -> None:
+    src = copy_of(ckpt_factory(EXPORT_SRC), "src")
+    before = tree_digest(src)
+    r = CliRunner().invoke(main, ["export", "gguf", str(src), "--out", str(src / "gguf")])
+    assert r.exit_code == 2 and "inside the source folder" in r.stderr, r.output
+    assert tree_digest(src) == before  # not even the lock was written into the source
+    r = CliRunner().invoke(main, ["export", "gguf", str(src), "--out", str(tmp_path / "g"), "--name", "not a name"])
+    assert r.exit_code == 2 and "use letters, digits" in r.stderr, r.output
+    r = CliRunner().invoke(main, ["export", "gguf", str(tmp_path / "missing"), "--out", str(tmp_path / "g")])
+    assert r.exit_code == 2 and "not a folder" in r.stderr, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+# --- mosaic plan --out --------------------------------------------------------------------------------
+
+
+def test_plan_out_is_refused_while_another_holds_the_recipe_then_takes_over(ckpt_factory, tmp_path: Path) -> None:
+    from .test_plan import BASE as PLAN_BASE
+    from .test_plan import DONOR3, per_layer
+
+    base, d3 = ckpt_factory(PLAN_BASE), ckpt_factory(DONOR3)
+    scores = per_layer(tmp_path, {1: 1.0, 2: 3.0, 4: 2.0})
+    out = tmp_path / "planned.yaml"
+    out.write_text("earlier\n")
+    args = ["plan", "--base", str(base), "--donor", f"q3={d3}", "--scores", str(scores), "--layers", "1"]
+    with held_elsewhere(out, "mosaic plan") as holder:
+        one_error_line(CliRunner().invoke(main, [*args, "--out", str(out)]), out, holder.pid, "mosaic plan")
+        with pytest.raises(mosaic.MosaicError) as e:
+            mosaic.plan(base=base, donors={"q3": d3}, scores=scores, layers=1, out=out)
+        assert_names_holder(str(e.value), out, holder.pid, command="mosaic plan")
+        assert out.read_text() == "earlier\n"
+        # without --out nothing is written, so nothing is locked
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 0, r.output
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["planned.yaml", "planned.yaml.lock", "scores.json"]
+    r = CliRunner().invoke(main, [*args, "--out", str(out)])  # the killed holder's file is taken over
+    assert r.exit_code == 0, r.output
+    assert "replace:" in out.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["planned.yaml", "scores.json"]
+
+
+def test_gguf_plan_out_takes_over_a_dead_holders_lock_and_leaves_none(tmp_path: Path) -> None:
+    g = Geometry(n_layer=2)
+    base = write_llama_gguf(tmp_path / "Q4_0.gguf", qtype="Q4_0", seed=1, geometry=g)[0]
+    q8 = write_llama_gguf(tmp_path / "Q8_0.gguf", qtype="Q8_0", seed=1, geometry=g)[0]
+    scores = tmp_path / "scores.csv"
+    scores.write_text("layer,score\n0,1\n1,4\n")
+    out = tmp_path / "plans" / "planned.yaml"
+    out.parent.mkdir()
+    args = ["plan", "--base", str(base), "--donor", f"q8={q8}", "--scores", str(scores), "--unit", "layer",
+            "--out", str(out)]
+    with held_elsewhere(out, "mosaic plan") as holder:
+        one_error_line(CliRunner().invoke(main, [*args, "--layers", "1"]), out, holder.pid, "mosaic plan")
+        assert sorted(p.name for p in out.parent.iterdir()) == ["planned.yaml.lock"]
+    pid = dead_pid()
+    write_record(out.parent / "planned.yaml.lock", pid, command="mosaic plan")
+    r = CliRunner().invoke(main, [*args, "--layers", "1"])
+    assert r.exit_code == 0, r.output
+    assert "layers: [1]" in out.read_text()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["planned.yaml"]
+    written = out.read_bytes()
+    r = CliRunner().invoke(main, [*args, "--max-size", "1000"])  # a plan that fails lets go of the lock too
+    assert r.exit_code == 2 and "too small for any unit" in r.stderr, r.output
+    assert sorted(p.name for p in out.parent.iterdir()) == ["planned.yaml"] and out.read_bytes() == written
+
+
+# --- mosaic sign --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def signing_key(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_signing_key(tmp_path_factory.mktemp("keys"))
+
+
+@pytest.mark.parametrize("command", ["mosaic sign", "mosaic build"])
+def test_sign_is_refused_while_another_holds_the_folder_then_takes_over(
+        built: tuple[Path, Path], tmp_path: Path, signing_key: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        command: str) -> None:
+    """Another ``sign`` of the folder, or a build replacing it, holds ``DIR.lock``: refused before the folder is
+    read; once that holder is dead its file is taken over, and the lock lies beside the folder, never inside."""
+    import mosaic._release.signing as signing
+
+    _, out = built
+    private, public = signing_key
+    before = tree_digest(out)
+    args = ["sign", str(out), "--key", str(private)]
+    with held_elsewhere(out, command) as holder:
+        for extra in ([], ["--force"]):
+            one_error_line(CliRunner().invoke(main, [*args, *extra]), out, holder.pid, command)
+        with pytest.raises(mosaic.MosaicError) as e:
+            mosaic.sign(out, key=private, force=True)
+        assert_names_holder(str(e.value), out, holder.pid, command=command)
+        assert tree_digest(out) == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.lock", "recipe.yaml"]
+    seen: list[tuple[list[str], list[Path], dict]] = []
+    real = signing.audit
+
+    def audit(root: Path, **kw: object):  # type: ignore[no-untyped-def]
+        seen.append((sorted(p.name for p in tmp_path.iterdir()), list(out.rglob("*.lock")), record(tmp_path / "out.lock")))
+        return real(root, **kw)
+
+    monkeypatch.setattr(signing, "audit", audit)
+    r = CliRunner().invoke(main, ["sign", f"{out}/", "--key", str(private)])  # out/ and out share one lock
+    assert r.exit_code == 0, r.output
+    (listing, inside, rec), = seen
+    assert listing == ["out", "out.lock", "recipe.yaml"] and inside == []  # held while it ran, beside the folder
+    assert rec["pid"] == os.getpid() and rec["command"] == "mosaic sign"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "recipe.yaml"]
+    assert not list(out.rglob("*.lock"))
+    monkeypatch.undo()
+    r = CliRunner().invoke(main, ["audit", str(out), "--key", str(public), "--require-signature"])
+    assert r.exit_code == 0, r.output
+
+
+def test_sign_leaves_no_lock_when_it_fails(built: tuple[Path, Path], tmp_path: Path, signing_key: tuple[Path, Path]) -> None:
+    _, out = built
+    private, _ = signing_key
+    (out / "stray.bin").write_bytes(b"x")  # the audit fails: exit 1
+    r = CliRunner().invoke(main, ["sign", str(out), "--key", str(private)])
+    assert r.exit_code == 1 and "refusing to sign" in r.stderr, r.output
+    for missing in (tmp_path / "nope", tmp_path / "no" / "such"):  # not a folder: exit 2
+        r = CliRunner().invoke(main, ["sign", str(missing), "--key", str(private)])
+        assert r.exit_code == 2 and r.stderr.strip() == f"mosaic: error: {missing}: not a folder", r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "recipe.yaml"]
+    assert not list(out.rglob("*.lock")) and not (out / "model.sig").exists()

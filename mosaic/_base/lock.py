@@ -2,8 +2,9 @@
 
 Two commands writing one output corrupt each other's work in ways no later check can tell apart from a
 good result: a second ``mosaic measure --force`` deleted the first one's journal, two builds swapped their
-folders into place in turn. ``mosaic measure``, ``build`` and ``rebuild`` (and the API functions behind
-them) therefore take this lock before they look at, delete or open anything of the output, and a second
+folders into place in turn. ``mosaic measure`` (and ``--merge``), ``build``, ``rebuild``, ``export gguf``,
+``plan --out`` and ``sign`` (``DIR.lock`` beside the folder it signs) and the API functions behind them
+therefore take this lock before they look at, delete or open anything of the output, and a second
 command is refused (exit 2) with one line naming the holder.
 
 How it is held, and why:

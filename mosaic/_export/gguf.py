@@ -52,6 +52,7 @@ from pathlib import Path
 
 from mosaic._base.errors import OutputError, VerificationError
 from mosaic._base.hashing import digest_file
+from mosaic._base.lock import output_lock
 from mosaic._base.progress import SILENT, Reporter
 from mosaic._base.version import __version__
 from mosaic._checkpoint.census_exl3 import analyze
@@ -469,15 +470,29 @@ def export_gguf(
     name: str | None = None,
     progress: Reporter = SILENT,
 ) -> ExportResult:
-    """Export the EXL3 checkpoint at ``src`` into the new folder ``out``."""
+    """Export the EXL3 checkpoint at ``src`` into the new folder ``out``.
+
+    ``<out>.lock`` (beside the output) is held from before the output is looked at until the export has
+    ended: a second export (or build) of the same output is refused, naming this one. An output inside the
+    source is refused first, so that not even the lock is written into a source."""
     outp = Path(out)
     srcp = Path(src)
+    if outp.resolve().is_relative_to(srcp.resolve()):
+        raise OutputError(f"{outp}: inside the source folder {srcp}; sources are never written to")
+    try:  # the lock lies beside the output, taken before the output is looked at
+        outp.absolute().parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{outp.absolute().parent}: cannot create the output's parent folder: {e.strerror or e}") from None
+    with output_lock(outp, "mosaic export gguf"):
+        return _export(srcp, outp, split_max_size, no_tensor_first_split, name, progress)
+
+
+def _export(srcp: Path, outp: Path, split_max_size: int | None, no_tensor_first_split: bool, name: str | None,
+            progress: Reporter) -> ExportResult:
     if outp.exists() or outp.is_symlink():
         raise OutputError(f"{outp}: already exists; choose another --out or remove it")
     if not srcp.is_dir():
         raise GGUFExportError(f"{srcp}: not a folder")
-    if outp.resolve().is_relative_to(srcp.resolve()):
-        raise OutputError(f"{outp}: inside the source folder {srcp}; sources are never written to")
     stem = name or srcp.resolve().name
     if not re.match(r"^[A-Za-z0-9._-]+$", stem):
         raise GGUFExportError(f"name {stem!r}: use letters, digits, '.', '_' and '-'")

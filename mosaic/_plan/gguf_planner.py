@@ -27,6 +27,7 @@ from mosaic._build.gguf_plan import GGUFPlan, check_same_model, mosaic_keys, pla
 from mosaic._checkpoint.gguf_model import GGUFModel, parse_name
 from mosaic._formats.gguf_container import align, layout
 from mosaic._plan.measurement import measurement_in
+from mosaic._plan.planner import recipe_lock
 from mosaic._plan.scores import ScoresError, read_scores_file
 from mosaic._plan.solver import Option, Solution, choose_count, greedy, solve_pareto
 from mosaic._plan.units import PlanError
@@ -233,6 +234,11 @@ def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     modes = [x is not None for x in (r.max_size, r.target_rate, r.layers)]  # type: ignore[attr-defined]
     if sum(modes) != 1:
         raise MosaicError("give exactly one of --max-size, --target-rate, --layers")
+    with recipe_lock(r.out):  # type: ignore[attr-defined]  # with --out: held until the recipe is written
+        return _plan_gguf_mosaic(r)
+
+
+def _plan_gguf_mosaic(r: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     recipe_dir = (r.out.parent if r.out else Path.cwd()).resolve()  # type: ignore[attr-defined]
     recipe_dir.mkdir(parents=True, exist_ok=True)  # the recipe's sources are resolved from its folder
     base_spec = gguf_source(r.base, "--base", "base")  # type: ignore[attr-defined]

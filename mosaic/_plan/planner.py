@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -31,7 +32,8 @@ from pathlib import Path
 
 import yaml
 
-from mosaic._base.errors import MosaicError, SourceError, VerificationError
+from mosaic._base.errors import MosaicError, OutputError, SourceError, VerificationError
+from mosaic._base.lock import output_lock
 from mosaic._build.layout import BuildPlan, make_plan
 from mosaic._checkpoint.census_exl3 import Analysis
 from mosaic._checkpoint.exl3 import is_decoder_linear
@@ -228,8 +230,23 @@ def _measured_scores(req: PlanRequest, doc: dict, units: list[Unit]) -> tuple[di
     return scores, predicted, []
 
 
+def recipe_lock(out: Path | None) -> AbstractContextManager[object]:
+    """``plan --out``: ``<out>.lock`` beside the recipe (``planned.yaml.lock``), to be held from before the recipe's
+    folder is looked at until it is written, so that a second plan of the same file is refused naming this one;
+    without ``--out`` nothing is written and nothing is locked. Creates the recipe's folder (the lock's)."""
+    if out is None:
+        return nullcontext()
+    parent = Path(os.path.abspath(out)).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{parent}: cannot create the recipe's folder: {e.strerror or e}") from None
+    return output_lock(out, "mosaic plan")
+
+
 def plan_mosaic(req: PlanRequest) -> PlanResult:
-    """Solve the request and return the report, the recipe text and the real build plan of it."""
+    """Solve the request and return the report, the recipe text and the real build plan of it (with ``out``,
+    written there under its lock)."""
     modes = [x is not None for x in (req.max_size, req.target_rate, req.layers)]
     if sum(modes) != 1:
         raise MosaicError("give exactly one of --max-size, --target-rate, --layers")
@@ -238,6 +255,11 @@ def plan_mosaic(req: PlanRequest) -> PlanResult:
     ids = [d for d, _ in req.donors]
     if len(set(ids)) != len(ids):
         raise MosaicError(f"--donor: id given twice in {ids}")
+    with recipe_lock(req.out):
+        return _plan_mosaic(req, ids)
+
+
+def _plan_mosaic(req: PlanRequest, ids: list[str]) -> PlanResult:
     hub_bytes: dict[str, int] = {}
     base_spec, base_dir = parse_source(req.base, "--base", "base", hub_bytes)
     specs = {did: parse_source(src, f"--donor {did}", did, hub_bytes) for did, src in req.donors}

@@ -14,6 +14,7 @@ from pathlib import Path
 from mosaic._audit.report import AuditReport, NotAMosaic
 from mosaic._audit.run import audit
 from mosaic._base.errors import VerificationError
+from mosaic._base.lock import lock_path, output_lock
 from mosaic._base.progress import SILENT, Reporter
 from mosaic._provenance.records import SIGNATURE_NAME
 from mosaic._provenance.signature import Signed, Signer, SigningError, prepare_signer, sign_digests
@@ -39,8 +40,20 @@ def sign(
     Refuses (exit 2) a folder that is already signed unless ``force``; refuses (exit 1) a folder whose
     audit fails, naming the first failure. The signer is made before the audit reads anything, so a
     refused key or an unreachable Sigstore stops it first. An existing signature is replaced only once
-    the new one is complete."""
+    the new one is complete.
+
+    ``DIR.lock`` beside the folder (never inside it: the folder's manifest and signature must not see it) is
+    held from before the folder is looked at until the signature is written, so that a second ``sign`` (or a
+    build replacing the folder) is refused, naming this one."""
     root = Path(folder)
+    if not lock_path(root).parent.is_dir():  # the folder's parent: where its lock would lie
+        raise NotAMosaic(f"{root}: not a folder")
+    with output_lock(root, "mosaic sign"):
+        return _sign(root, signer, sources=sources, force=force, jobs=jobs, progress=progress)
+
+
+def _sign(root: Path, signer: Signer, *, sources: bool | str | Path, force: bool, jobs: int | None,
+          progress: Reporter) -> SignResult:
     if not root.is_dir():
         raise NotAMosaic(f"{root}: not a folder")
     sig = root / SIGNATURE_NAME
