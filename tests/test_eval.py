@@ -366,7 +366,8 @@ def test_what_ran_is_recorded_and_another_runtimes_reference_is_accepted_and_sai
     rt = runtime().info
     saved = tmp_path / "teacher.npz"
     doc = run(models, ["base"], models["donor"], ctx=CTX, save_reference=saved)
-    assert doc["runtime"] == {"name": rt.name, "version": rt.version, "llama_cpp": rt.llama_cpp, "threads": rt.threads}
+    assert doc["runtime"] == {"name": rt.name, "version": rt.version, "llama_cpp": rt.llama_cpp, "threads": rt.threads,
+                              "gpu_layers": rt.gpu_layers, "offloaded": 0, "device": rt.device}
     assert doc["runtime"]["threads"] >= 1 and doc["runtime"]["llama_cpp"] not in ("", "unknown")
     ref = load_reference(saved)
     assert ref.runtime == doc["runtime"]

@@ -538,6 +538,7 @@ def evaluate(
     plot: PathLike | None = None,
     threads: int | None = None,
     runtime: str | None = None,
+    gpu_layers: int | str | None = None,
     verbose: bool = False,
     progress: Progress = False,
 ) -> EvalResult:
@@ -546,7 +547,9 @@ def evaluate(
     between candidates. ``reference``: a model, or a reference saved with ``save_reference`` (``.npz``; with
     no candidates, the teacher alone runs). ``plot``: an ``.svg`` or ``.png`` of each candidate's KL and top-1
     against its size on disk (the ``plot`` extra). GGUF models run on llama.cpp (the ``runtime`` extra;
-    ``runtime`` picks ``cyllama`` or ``llama-cpp-python``), EXL3 folders on exllamav3 (the ``exl3`` extra, a CUDA GPU).
+    ``runtime`` picks ``cyllama`` or ``llama-cpp-python``; ``gpu_layers``: ``"all"`` or a count of layers
+    llama.cpp offloads, by default all where the binding can offload, else 0), EXL3 folders on exllamav3 (the
+    ``exl3`` extra, a CUDA GPU).
 
     >>> from mosaic.testing.gguf import write_llama_gguf
     >>> teacher = write_llama_gguf(tmp / "q8.gguf", qtype="Q8_0", seed=1)[0]
@@ -561,13 +564,14 @@ def evaluate(
         candidates = [candidates]
     from mosaic._eval.run import EvalRequest
     from mosaic._eval.run import evaluate as _evaluate
+    from mosaic._eval.runtime import parse_gpu_layers
 
     _in_range("--ctx", ctx, 2, 1 << 20)
     _in_range("--top-k", top_k, 1, 1 << 16)
     _in_range("--threads", threads, 1, 1024)
     req = EvalRequest([os.fspath(c) for c in candidates], os.fspath(reference), Path(text), ctx, top_k,
                       None if save_reference is None else Path(save_reference), verbose=verbose, runtime=runtime,
-                      threads=threads, plot=None if plot is None else Path(plot))
+                      threads=threads, plot=None if plot is None else Path(plot), gpu_layers=parse_gpu_layers(gpu_layers))
     with _running(progress, unit="tokens") as r:
         return EvalResult(_evaluate(req, r))
 
@@ -595,6 +599,7 @@ def measure(
     resume: bool = False,
     force: bool = False,
     threads: int | None = None,
+    gpu_layers: int | str | None = None,
     verbose: bool = False,
     progress: Progress = False,
 ) -> MeasureResult:
@@ -615,7 +620,8 @@ def measure(
     kind of unit by what its moves measured against the prediction.
     ``shard``: ``"K/N"``, this run's share of the candidates; ``merge``: the shards' documents to join
     (then no other input). Each result is kept durably in ``<out>.partial`` as it finishes; ``resume``
-    continues one with the same inputs; ``force`` replaces.
+    continues one with the same inputs; ``force`` replaces. ``threads``, ``gpu_layers`` (``"all"`` or a count):
+    the runtime's, as for :func:`evaluate`.
 
     >>> from mosaic.testing.gguf import Geometry, write_llama_gguf
     >>> g = Geometry(n_layer=2)
@@ -630,6 +636,7 @@ def measure(
     >>> m.document["forward_passes"]  # the teacher, the base, the top and one drop per layer
     5
     """
+    from mosaic._eval.runtime import parse_gpu_layers
     from mosaic._measure.run import MeasureRequest
     from mosaic._measure.run import measure as _measure
     from mosaic._plan.planner import parse_size
@@ -658,7 +665,7 @@ def measure(
                          None if text is None else Path(text), unit, layers, ctx, top_k, Path(out), resume, force,
                          None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard,
                          None if imatrix is None else os.fspath(imatrix), refine,
-                         parse_size(max_size) if isinstance(max_size, str) else max_size)
+                         parse_size(max_size) if isinstance(max_size, str) else max_size, parse_gpu_layers(gpu_layers))
     with _running(progress, unit="candidates") as r:
         doc = _measure(req, r)
     return MeasureResult(Path(out), doc)

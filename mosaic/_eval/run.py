@@ -58,6 +58,7 @@ class EvalRequest:
     runtime: str | None = None
     threads: int | None = None
     plot: Path | None = None
+    gpu_layers: int | str | None = None
 
 
 @dataclass
@@ -89,7 +90,7 @@ def _model_check(path: str, ctx: int) -> GGUFCheck | None:
 def _open(path: str, check: GGUFCheck | None, ctx: int, batch: int, req: EvalRequest) -> Backend:
     if check is None:
         return Exl3Backend(Path(path), ctx, batch)
-    rt = get_runtime(req.runtime, threads=req.threads, verbose=req.verbose)
+    rt = get_runtime(req.runtime, threads=req.threads, verbose=req.verbose, gpu_layers=req.gpu_layers)
     return GGUFBackend(check, path, rt, ctx, batch)
 
 
@@ -115,17 +116,25 @@ def _check_tokens(c: Backend, teacher: _Teacher, rows: Rows) -> None:
             raise SourceError(f"{c.name}: row {i + 1} tokenizes differently from the reference")
 
 
+#: What a runtime's record may differ in without changing its numbers beyond float noise: where it ran.
+PLACE = ("threads", "gpu_layers", "offloaded", "device")
+
+
 def runtime_note(saved: dict | None, used: RuntimeInfo | None) -> str | None:
-    """A sentence when a saved reference was made by another runtime than the candidates ran on."""
+    """A sentence when a saved reference was made by another runtime, or on another device, than the
+    candidates ran on."""
     if used is None:
         return None
     if saved is None:
         return "the reference was saved without a record of its runtime (an earlier mosaic); the candidates ran on " + used.describe()
-    same = all(saved.get(k) == v for k, v in used.as_dict().items() if k != "threads")
-    if same:
-        return None
-    return (f"the reference was saved by {saved.get('name')} {saved.get('version')} (llama.cpp {saved.get('llama_cpp')}); "
-            f"the candidates ran on {used.describe()}: the teacher's numbers carry that runtime's float differences")
+    now = used.as_dict()
+    if any(saved.get(k) != v for k, v in now.items() if k not in PLACE):
+        return (f"the reference was saved by {saved.get('name')} {saved.get('version')} (llama.cpp {saved.get('llama_cpp')}); "
+                f"the candidates ran on {used.describe()}: the teacher's numbers carry that runtime's float differences")
+    if "device" in saved and saved["device"] != now["device"]:  # (a record of an earlier mosaic names none)
+        return (f"the reference was saved on {saved['device']}, the candidates ran on {now['device']}: the same "
+                "runtime, whose numbers differ between devices by float noise")
+    return None
 
 
 def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]:
@@ -161,7 +170,7 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
             stack.callback(b.close)
             _check_tokens(b, teacher, rows)
             cands.append(b)
-        used = get_runtime(req.runtime, threads=req.threads, verbose=req.verbose).info if any(
+        used = get_runtime(req.runtime, threads=req.threads, verbose=req.verbose, gpu_layers=req.gpu_layers).info if any(
             isinstance(b, GGUFBackend) for b in [*cands, *([teacher.live] if teacher.live else [])]) else None
         scores, kept = _score(teacher, cands, ctx, progress, len(rows.texts), keep=req.save_reference is not None)
     exact = teacher.live is not None
@@ -182,6 +191,8 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
         "comparisons": [compare(results[0], r) for r in results[1:]],
         "notes": [],
     }
+    if used is not None and used.note:
+        doc["notes"].append(used.note)  # type: ignore[union-attr]
     if teacher.saved is not None:
         doc["reference_runtime"] = teacher.saved.runtime
         note = runtime_note(teacher.saved.runtime, used)

@@ -6,15 +6,24 @@
   position's logits, model metadata, a split set loaded by its first part, ``llama_model_quantize``).
   ``llama-cpp-py-sync`` needs glibc 2.38 although tagged manylinux2014; ``xllamacpp`` exposes a server, not
   per-position logits, and no quantizer.
-- **llama-cpp-python**, where a user already has it (it compiles llama.cpp on install), through its
-  low-level C API: its high-level ``Llama`` keeps ``n_ctx × vocabulary`` scores, which the memory bound
-  below forbids.
+- **llama-cpp-python**, where a user has it (it compiles llama.cpp on install: for this CPU, or with
+  ``CMAKE_ARGS="-DGGML_CUDA=on"``, Metal or ROCm, for the GPU), through its low-level C API: its high-level
+  ``Llama`` keeps ``n_ctx × vocabulary`` scores, which the memory bound below forbids. Preferred where
+  installed (a version with ``llama_memory_clear``): native speed, the GPU, and each batch's logits handed
+  over as one buffer rather than a Python list per position.
 
 A model decodes a window a batch at a time and hands back that batch's logits, so memory is the model, its
 KV cache and ``batch × vocabulary`` floats, whatever the window or the text. The runtime's log lines go to
-a sink that drops them unless ``verbose``; a load or decode the runtime refuses is a :class:`RuntimeFailure`
-(one line), never a traceback. ``MOSAIC_RUNTIME`` (``cyllama`` or ``llama-cpp-python``) picks one binding;
-by default the first installed, in that order.
+a sink that drops them unless ``verbose`` (each load's "offloaded N/M layers to GPU" is read from them
+first); a load or decode the runtime refuses is a :class:`RuntimeFailure` (one line), never a traceback.
+``MOSAIC_RUNTIME`` (``cyllama`` or ``llama-cpp-python``) picks one binding; by default llama-cpp-python where
+it is installed, else cyllama.
+
+``gpu_layers`` is what llama.cpp offloads (``"all"`` or a count; above the model's layers + 1 it is all):
+by default all where the binding can offload (a GPU or integrated GPU device exists), else 0. Where it
+cannot, a count or ``"all"`` runs on the CPU with one note, never an error. The runtime's record names the
+device the layers run on (its ggml name and description, never its memory or bus id) and how many layers
+the last model loaded put there.
 
 These bindings load llama.cpp into the process that calls them: mosaic's commands call them only inside
 their llama.cpp worker (:mod:`.worker`), a process of its own.
@@ -27,6 +36,7 @@ import ctypes
 import importlib.metadata
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +48,11 @@ import numpy as np
 from mosaic._base.errors import MosaicError
 
 NAMES = ("cyllama", "llama-cpp-python")
+#: ``n_gpu_layers`` for "all": above any model's layers + 1, which llama.cpp caps it at.
+ALL_LAYERS = 1 << 30
+_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+#: ggml's device types (``enum ggml_backend_dev_type``): the ones layers are offloaded to.
+_GPU_TYPES = {1: "GPU", 2: "iGPU"}
 
 
 class RuntimeFailure(MosaicError):
@@ -46,18 +61,78 @@ class RuntimeFailure(MosaicError):
 
 @dataclass(frozen=True)
 class RuntimeInfo:
-    """What ran: recorded in eval's JSON, a saved reference and a measurement."""
+    """What ran: recorded in eval's JSON, a saved reference and a measurement. ``gpu_layers`` as asked (or
+    its default), ``device`` where the offloaded layers run (the CPU when none are), ``offloaded`` the layers
+    the last model loaded put there (``None`` before any), ``note`` why a GPU was asked for and not used."""
 
     name: str
     version: str
     llama_cpp: str
     threads: int
+    gpu_layers: int | str = 0
+    device: str = "CPU"
+    offloaded: int | None = None
+    note: str | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {"name": self.name, "version": self.version, "llama_cpp": self.llama_cpp, "threads": self.threads}
+        return {"name": self.name, "version": self.version, "llama_cpp": self.llama_cpp, "threads": self.threads,
+                "gpu_layers": self.gpu_layers, "offloaded": self.offloaded, "device": self.device}
 
     def describe(self) -> str:
-        return f"{self.name} {self.version} (llama.cpp {self.llama_cpp}, {self.threads} threads)"
+        where = f", {self.offloaded} layers on {self.device}" if self.offloaded else f", on {self.device}"
+        return f"{self.name} {self.version} (llama.cpp {self.llama_cpp}, {self.threads} threads{where})"
+
+
+def parse_gpu_layers(value: object) -> int | str | None:
+    """``--gpu-layers``: ``"all"`` or an integer ≥ 0 (``None``: the default)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == "all":
+        return "all"
+    try:
+        n = int(str(value).strip()) if not isinstance(value, bool) else -1
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise MosaicError(f"--gpu-layers {value!r}: a number of layers (0 or more) or 'all'")
+    return n
+
+
+class _Offload:
+    """What a binding can offload and where: the GPU layers it is asked for, resolved against its devices
+    (``devices``: ggml's ``(name, description, type)`` of each), the count it gives llama.cpp, and the
+    "offloaded N/M layers" of each load read from llama.cpp's log lines."""
+
+    def __init__(self, binding: str, asked: int | str | None, supports: bool, devices: list[tuple[str, str, int]]) -> None:
+        gpus = [d for d in devices if d[2] in _GPU_TYPES]
+        self.supported = supports and bool(gpus)
+        self.asked: int | str = asked if asked is not None else ("all" if self.supported else 0)
+        self.note: str | None = None
+        want = ALL_LAYERS if self.asked == "all" else int(self.asked)
+        if want and not self.supported:
+            self.note = (f"--gpu-layers {self.asked}: {binding} finds no GPU to offload to here (a build for the CPU, or no "
+                         "device); every layer ran on the CPU")
+            want = 0
+        self.n_gpu_layers = want
+        cpu = next((d for d in devices if d[2] == 0), ("CPU", "", 0))
+        d = gpus[0] if want and gpus else cpu
+        self.device = f"{d[0]} ({d[1]})" if d[1] and d[1] != d[0] else d[0]
+        self._seen: list[str] = []
+
+    def log(self, text: str) -> None:
+        if "offloaded" in text:
+            self._seen.append(text)
+
+    def loaded(self) -> int | None:
+        """The layers the load just finished put on the device, as llama.cpp's log says; 0 when none were asked
+        for or none could be, ``None`` when some were and llama.cpp did not say."""
+        got = None
+        for line in self._seen:
+            m = _OFFLOADED.search(line)
+            if m:
+                got = int(m.group(1))
+        self._seen.clear()
+        return got if self.n_gpu_layers else 0
 
 
 class LoadedModel(Protocol):
@@ -132,7 +207,7 @@ def _one_line(e: BaseException) -> str:
 
 
 class _CyllamaModel:
-    def __init__(self, cy: Any, path: Path, ctx: int, batch: int, threads: int) -> None:
+    def __init__(self, cy: Any, path: Path, ctx: int, batch: int, threads: int, offload: _Offload) -> None:
         class _Model(cy.LlamaModel):  # type: ignore[misc, name-defined]
             # cyllama 0.2.18's get_logits_ith reads ``model.n_vocab``, which its LlamaModel lacks
             @property
@@ -140,7 +215,7 @@ class _CyllamaModel:
                 return int(self.get_vocab().n_vocab)
 
         mp = cy.LlamaModelParams()
-        mp.n_gpu_layers = 0
+        mp.n_gpu_layers = offload.n_gpu_layers
         try:
             self._model = _Model(str(path), mp)
         except (ValueError, RuntimeError, OSError) as e:
@@ -159,6 +234,7 @@ class _CyllamaModel:
         self._cap = batch
         self._out = np.empty((batch, self.n_vocab), dtype=np.float32)
         self._path = path
+        self.offloaded = offload.loaded()
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._vocab.tokenize(text, True, False))
@@ -200,19 +276,28 @@ class _CyllamaModel:
 
 
 class CyllamaRuntime:
-    def __init__(self, threads: int, verbose: bool) -> None:
+    def __init__(self, threads: int, verbose: bool, gpu_layers: int | str | None = None) -> None:
         import cyllama.llama.llama_cpp as cy
 
         self._cy = cy
-        if verbose:
-            cy.set_log_callback(lambda level, text: sys.stderr.write(text))
-        else:
-            cy.disable_logging()
         cy.llama_backend_init()
-        self.info = RuntimeInfo("cyllama", _version("cyllama"), _cyllama_llama_cpp(), threads)
+        types = {"CPU": 0, "GPU": 1, "iGPU": 2}
+        devices = [(str(d.get("name", "")), str(d.get("description", "")), types.get(str(d.get("type")), 3))
+                   for d in cy.ggml_backend_dev_info()]
+        self._offload = _Offload("cyllama", gpu_layers, bool(cy.llama_supports_gpu_offload()), devices)
+
+        def sink(level: int, text: str) -> None:
+            self._offload.log(text)
+            if verbose:
+                sys.stderr.write(text)
+
+        self._sink = sink
+        cy.set_log_callback(sink)
+        o = self._offload
+        self.info = RuntimeInfo("cyllama", _version("cyllama"), _cyllama_llama_cpp(), threads, o.asked, o.device, None, o.note)
 
     def load(self, path: Path, *, ctx: int, batch: int) -> LoadedModel:
-        return _CyllamaModel(self._cy, path, ctx, batch, self.info.threads)
+        return _CyllamaModel(self._cy, path, ctx, batch, self.info.threads, self._offload)
 
     def quantize(self, src: Path, dst: Path, ftype: int) -> None:
         params = self._cy.LlamaModelQuantizeParams()
@@ -239,14 +324,15 @@ def _cyllama_llama_cpp() -> str:
 
 
 class _LlamaCppPythonModel:
-    def __init__(self, lc: Any, path: Path, ctx: int, batch: int, threads: int) -> None:
+    def __init__(self, lc: Any, path: Path, ctx: int, batch: int, threads: int, offload: _Offload) -> None:
         self._lc = lc
         self._path = path
         mp = lc.llama_model_default_params()
-        mp.n_gpu_layers = 0
+        mp.n_gpu_layers = offload.n_gpu_layers
         self._model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             raise RuntimeFailure(f"{path}: llama.cpp could not load the model")
+        self.offloaded = offload.loaded()
         self._vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = int(lc.llama_vocab_n_tokens(self._vocab))
         cp = lc.llama_context_default_params()
@@ -308,9 +394,8 @@ class _LlamaCppPythonModel:
         if rc != 0:
             raise RuntimeFailure(f"{self._path}: llama.cpp refused a batch of {n} tokens at position {pos} (llama_decode {rc})")
         out = self._out[:n]
-        for i in range(n):
-            ptr = self._lc.llama_get_logits_ith(self._ctx, i)
-            out[i] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        # every position asked for its logits: llama.cpp keeps them as one block, in the batch's order
+        np.copyto(out, np.ctypeslib.as_array(self._lc.llama_get_logits(self._ctx), shape=(n, self.n_vocab)))
         return out
 
     def clear(self) -> None:
@@ -329,23 +414,33 @@ class _LlamaCppPythonModel:
 
 
 class LlamaCppPythonRuntime:
-    def __init__(self, threads: int, verbose: bool) -> None:
+    def __init__(self, threads: int, verbose: bool, gpu_layers: int | str | None = None) -> None:
         import llama_cpp as lc
 
         self._lc = lc
+        self._offload: _Offload | None = None
 
         @lc.llama_log_callback  # type: ignore[misc]
         def _sink(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-            if verbose and text:
-                sys.stderr.write(text.decode("utf-8", "replace"))
+            if not text:
+                return
+            line = text.decode("utf-8", "replace")
+            if self._offload is not None:
+                self._offload.log(line)
+            if verbose:
+                sys.stderr.write(line)
 
         self._sink = _sink  # the C side keeps only the pointer: keep the callback alive
         lc.llama_log_set(self._sink, ctypes.c_void_p(0))
         lc.llama_backend_init()
-        self.info = RuntimeInfo("llama-cpp-python", _version("llama_cpp_python"), _llama_cpp_python_commit(lc), threads)
+        self._offload = _Offload("llama-cpp-python", gpu_layers, bool(lc.llama_supports_gpu_offload()), _ggml_devices())
+        o = self._offload
+        self.info = RuntimeInfo("llama-cpp-python", _version("llama_cpp_python"), _llama_cpp_python_commit(lc), threads,
+                                o.asked, o.device, None, o.note)
 
     def load(self, path: Path, *, ctx: int, batch: int) -> LoadedModel:
-        return _LlamaCppPythonModel(self._lc, path, ctx, batch, self.info.threads)
+        assert self._offload is not None
+        return _LlamaCppPythonModel(self._lc, path, ctx, batch, self.info.threads, self._offload)
 
     def quantize(self, src: Path, dst: Path, ftype: int) -> None:
         lc = self._lc
@@ -354,6 +449,31 @@ class LlamaCppPythonRuntime:
         rc = lc.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
         if rc != 0:
             raise RuntimeFailure(f"{src}: llama.cpp could not quantize it to ftype {ftype} (code {rc})")
+
+
+def _ggml_devices() -> list[tuple[str, str, int]]:
+    """ggml's devices as llama-cpp-python's own libggml lists them: ``(name, description, type)``."""
+    try:
+        from llama_cpp._ggml import libggml as g
+    except (ImportError, OSError, AttributeError):
+        return []
+    try:
+        g.ggml_backend_dev_count.restype = ctypes.c_size_t
+        g.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+        g.ggml_backend_dev_get.restype = ctypes.c_void_p
+        for fn in (g.ggml_backend_dev_name, g.ggml_backend_dev_description):
+            fn.argtypes = [ctypes.c_void_p]
+            fn.restype = ctypes.c_char_p
+        g.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+        g.ggml_backend_dev_type.restype = ctypes.c_int
+        out = []
+        for i in range(int(g.ggml_backend_dev_count())):
+            d = g.ggml_backend_dev_get(i)
+            out.append(((g.ggml_backend_dev_name(d) or b"").decode("utf-8", "replace"),
+                        (g.ggml_backend_dev_description(d) or b"").decode("utf-8", "replace"), int(g.ggml_backend_dev_type(d))))
+        return out
+    except (AttributeError, OSError):
+        return []
 
 
 def _llama_cpp_python_commit(lc: Any) -> str:
@@ -367,18 +487,36 @@ def _llama_cpp_python_commit(lc: Any) -> str:
 
 # ----------------------------------------------------------------------------------------- choosing
 
-_FACTORIES: dict[str, tuple[str, Callable[[int, bool], Runtime]]] = {
-    "cyllama": ("cyllama", CyllamaRuntime),
+_FACTORIES: dict[str, tuple[str, Callable[[int, bool, int | str | None], Runtime]]] = {
     "llama-cpp-python": ("llama_cpp", LlamaCppPythonRuntime),
+    "cyllama": ("cyllama", CyllamaRuntime),
 }
-_OPEN: dict[tuple[str, int, bool], Runtime] = {}
+_OPEN: dict[tuple[str, int, bool, int | str | None], Runtime] = {}
+
+
+def _has_memory_clear(origin: str | None) -> bool:
+    """Does the llama-cpp-python at ``origin`` (its package's ``__init__.py``) have ``llama_memory_clear``
+    (0.3.10 and later)? Read from its source, so that choosing a binding loads no llama.cpp here."""
+    if origin is None:
+        return False
+    try:
+        return "def llama_memory_clear" in (Path(origin).parent / "llama_cpp.py").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
 
 
 def available() -> list[str]:
-    """The bindings installed here, in the order they are preferred."""
+    """The bindings installed here, in the order they are preferred: llama-cpp-python (compiled for this
+    machine, GPU-capable, logits as a buffer) where it is a version with ``llama_memory_clear``, then cyllama."""
     import importlib.util
 
-    return [name for name, (module, _) in _FACTORIES.items() if importlib.util.find_spec(module) is not None]
+    out = []
+    for name, (module, _) in _FACTORIES.items():
+        spec = importlib.util.find_spec(module)
+        if spec is None or (name == "llama-cpp-python" and not _has_memory_clear(spec.origin)):
+            continue
+        out.append(name)
+    return out
 
 
 def resolve_name(name: str | None = None) -> str:
@@ -390,22 +528,30 @@ def resolve_name(name: str | None = None) -> str:
         found = available()
         if not found:
             raise MosaicError("running GGUF models needs a llama.cpp runtime: pip install 'mosaic[runtime]' "
-                              "(cyllama, a prebuilt wheel; llama-cpp-python works too where it is installed)")
+                              "(cyllama, a prebuilt wheel), or llama-cpp-python 0.3.10 or later compiled for this machine")
         name = found[0]
     return name
 
 
-def in_process_runtime(name: str | None = None, threads: int | None = None, verbose: bool = False) -> Runtime:
-    """The binding loaded into this process, once per process: what the llama.cpp worker runs
+def in_process_runtime(name: str | None = None, threads: int | None = None, verbose: bool = False,
+                       gpu_layers: int | str | None = None) -> Runtime:
+    """The binding loaded into this process, once per process and settings: what the llama.cpp worker runs
     (:mod:`mosaic._eval.worker_main`). mosaic's commands use :func:`mosaic._eval.worker.get_runtime`, which
     keeps llama.cpp out of their own process."""
     name = resolve_name(name)
     threads = threads or default_threads()
-    key = (name, threads, verbose)
+    key = (name, threads, verbose, gpu_layers)
     if key not in _OPEN:
         module, factory = _FACTORIES[name]
+        if name == "llama-cpp-python":
+            import importlib.util
+
+            spec = importlib.util.find_spec(module)
+            if spec is not None and not _has_memory_clear(spec.origin):
+                raise MosaicError(f"runtime llama-cpp-python {_version('llama_cpp_python')}: too old (no llama_memory_clear); "
+                                  "install 0.3.10 or later, or use cyllama (MOSAIC_RUNTIME=cyllama)")
         try:
-            _OPEN[key] = factory(threads, verbose)
+            _OPEN[key] = factory(threads, verbose, gpu_layers)
         except ImportError as e:
             raise MosaicError(f"runtime {name}: cannot import {module} ({_one_line(e)}); pip install 'mosaic[runtime]'") from None
     return _OPEN[key]

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,7 +39,7 @@ from mosaic._base import errors as _errors
 from mosaic._base.errors import MosaicError
 from mosaic._base.faults import point
 from mosaic._eval.panel import Scores
-from mosaic._eval.runtime import RuntimeFailure, RuntimeInfo, default_threads, resolve_name
+from mosaic._eval.runtime import RuntimeFailure, RuntimeInfo, default_threads, parse_gpu_layers, resolve_name
 from mosaic._eval.scoring import Job, Outcome
 from mosaic._eval.wire import WireError, recv, send
 
@@ -61,11 +64,44 @@ def _signal_name(n: int) -> str:
         return f"signal {n}"
 
 
+class _Launcher:
+    """Starts every worker from one thread that lives as long as this process. Linux sends a child its
+    parent-death signal (the worker asks for one, to die with mosaic) when the *thread* that started it ends:
+    a worker started from an API caller's short-lived thread would die with that thread, and the models
+    loaded in it with it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._todo: queue.SimpleQueue[tuple[Future[subprocess.Popen[bytes]], Callable[[], subprocess.Popen[bytes]]]] = \
+            queue.SimpleQueue()
+
+    def _run(self) -> None:
+        while True:
+            done, start = self._todo.get()
+            try:
+                done.set_result(start())
+            except BaseException as e:  # handed to the caller, whatever it is
+                done.set_exception(e)
+
+    def popen(self, start: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="mosaic-llama-launcher", daemon=True)
+                self._thread.start()
+        done: Future[subprocess.Popen[bytes]] = Future()
+        self._todo.put((done, start))
+        return done.result()
+
+
+_LAUNCHER = _Launcher()
+
+
 class Worker:
     """One llama.cpp worker process, started on first use; one request at a time."""
 
-    def __init__(self, runtime: str, threads: int, verbose: bool) -> None:
-        self._args = (runtime, threads, verbose)
+    def __init__(self, runtime: str, threads: int, verbose: bool, gpu_layers: int | str | None = None) -> None:
+        self._args = (runtime, threads, verbose, gpu_layers)
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._lock = threading.Lock()
@@ -76,7 +112,7 @@ class Worker:
     # ------------------------------------------------------------------------------------ process
 
     def _start(self) -> None:
-        runtime, threads, verbose = self._args
+        runtime, threads, verbose, gpu_layers = self._args
         to_child, from_parent = os.pipe()
         to_parent, from_child = os.pipe()
         self._log = None if verbose else tempfile.TemporaryFile(prefix="mosaic-llama-")  # noqa: SIM115  (closed in close())
@@ -84,10 +120,10 @@ class Worker:
         out: Any = 2 if verbose else self._log
         err: Any = None if verbose else self._log
         try:
-            self._proc = subprocess.Popen(
+            self._proc = _LAUNCHER.popen(lambda: subprocess.Popen(
                 [sys.executable, "-m", "mosaic._eval.worker_main", str(to_child), str(from_child)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(to_child, from_child),
-                start_new_session=True, close_fds=True)
+                start_new_session=True, close_fds=True))
         finally:
             os.close(to_child)
             os.close(from_child)
@@ -95,8 +131,9 @@ class Worker:
         self._r = os.fdopen(to_parent, "rb")
         self.generation += 1
         self.doing = "starting"
-        head, _ = self._call({"op": "init", "runtime": runtime, "threads": threads, "verbose": verbose})
-        self.info = RuntimeInfo(**head["ok"])
+        head, _ = self._call({"op": "init", "runtime": runtime, "threads": threads, "verbose": verbose,
+                              "gpu_layers": gpu_layers})
+        self.info = RuntimeInfo(**head["ok"], note=head.get("note"))
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -207,6 +244,9 @@ class RemoteModel:
         self.handle: int | None = head["ok"]
         self._generation = worker.generation
         self.n_vocab = int(head["n_vocab"])
+        self.offloaded: int | None = head.get("offloaded")
+        if worker.info is not None:  # the runtime's record names what the last load offloaded
+            worker.info = dataclasses.replace(worker.info, offloaded=self.offloaded)
 
     def _req(self, doing: str, head: dict) -> tuple[dict, dict[str, np.ndarray]]:
         if self.handle is None or self._generation != self.worker.generation:
@@ -270,8 +310,8 @@ def score_in_worker(job: Job, live: RemoteModel | None, cands: Sequence[RemoteMo
 class WorkerRuntime:
     """The :class:`~mosaic._eval.runtime.Runtime` interface, with llama.cpp in a worker process."""
 
-    def __init__(self, name: str, threads: int, verbose: bool) -> None:
-        self.worker = Worker(name, threads, verbose)
+    def __init__(self, name: str, threads: int, verbose: bool, gpu_layers: int | str | None = None) -> None:
+        self.worker = Worker(name, threads, verbose, gpu_layers)
         self._name = name
 
     @property
@@ -291,14 +331,16 @@ class WorkerRuntime:
         self.worker.close()
 
 
-_OPEN: dict[tuple[str, int, bool], WorkerRuntime] = {}
+_OPEN: dict[tuple[str, int, bool, int | str | None], WorkerRuntime] = {}
 
 
-def get_runtime(name: str | None = None, *, threads: int | None = None, verbose: bool = False) -> WorkerRuntime:
+def get_runtime(name: str | None = None, *, threads: int | None = None, verbose: bool = False,
+                gpu_layers: int | str | None = None) -> WorkerRuntime:
     """The runtime ``name`` (default: ``$MOSAIC_RUNTIME``, else the first installed) in a worker process, one per
-    name, thread count and verbosity in this process; its worker starts on first use and is restarted after a
-    crash. Nothing of llama.cpp is loaded into this process."""
-    key = (resolve_name(name), threads or default_threads(), verbose)
+    name, thread count, verbosity and GPU offload (``gpu_layers``: ``"all"``, a count, ``None`` for the
+    default) in this process; its worker starts on first use and is restarted after a crash. Nothing of
+    llama.cpp is loaded into this process."""
+    key = (resolve_name(name), threads or default_threads(), verbose, parse_gpu_layers(gpu_layers))
     if key not in _OPEN:
         _OPEN[key] = WorkerRuntime(*key)
     return _OPEN[key]

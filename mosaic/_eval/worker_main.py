@@ -71,8 +71,8 @@ class _Server:
     def handle(self, head: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray] | None]:
         op = head["op"]
         if op == "init":
-            self.rt = in_process_runtime(head["runtime"], head["threads"], head["verbose"])
-            return {"ok": self.rt.info.as_dict()}, None
+            self.rt = in_process_runtime(head["runtime"], head["threads"], head["verbose"], head.get("gpu_layers"))
+            return {"ok": self.rt.info.as_dict(), "note": self.rt.info.note}, None
         assert self.rt is not None, "init first"
         if op == "ping":
             return {"ok": None}, None
@@ -82,7 +82,7 @@ class _Server:
             h = self.next
             self.next += 1
             self.models[h] = _Model(m, head["name"], head["batch"], self.note)
-            return {"ok": h, "n_vocab": m.n_vocab}, None
+            return {"ok": h, "n_vocab": m.n_vocab, "offloaded": getattr(m, "offloaded", None)}, None
         if op == "close":
             m_ = self.models.pop(head["handle"], None)
             if m_ is not None:

@@ -39,9 +39,8 @@ class GGUFScorer:
 
     def __init__(self, base: GGUFModel, donors: dict[str, GGUFModel], units: list[Unit], pairs: Iterable[tuple[int, str]],
                  ref: Reference, rows: Rows, workdir: Path, *, threads: int | None = None, verbose: bool = False,
-                 progress: Reporter = SILENT) -> None:
-        self._rt = get_runtime(threads=threads, verbose=verbose)
-        self.runtime = self._rt.info.as_dict()
+                 gpu_layers: int | str | None = None, progress: Reporter = SILENT) -> None:
+        self._rt = get_runtime(threads=threads, verbose=verbose, gpu_layers=gpu_layers)
         self._ref = ref
         self._parts: Parts = lay_out(workdir, base, units, donors, pairs, progress)
         first = self._parts.candidate({})
@@ -52,6 +51,7 @@ class GGUFScorer:
             check_tokens(b, ref, rows)
         finally:
             b.close()
+        self.runtime = self._rt.info.as_dict()  # after a load: the layers it offloaded
 
     def _open(self, first: Path, name: str) -> GGUFBackend:
         return GGUFBackend(dataclasses.replace(self._check, first=first), name, self._rt, self._ref.ctx, self.batch)

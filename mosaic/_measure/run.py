@@ -36,8 +36,9 @@ from mosaic._base.version import __version__
 from mosaic._build.run import fsync_dir
 from mosaic._eval.reference import Reference, is_reference_file, load_reference
 from mosaic._eval.rows import Rows, load_rows
-from mosaic._eval.run import DEFAULT_CTX, DEFAULT_TOP_K, EvalRequest, evaluate
+from mosaic._eval.run import DEFAULT_CTX, DEFAULT_TOP_K, EvalRequest, evaluate, runtime_note
 from mosaic._eval.runtime import default_threads
+from mosaic._eval.worker import get_runtime
 from mosaic._hub.partial import atomic_write
 from mosaic._measure.backends import Scorer
 from mosaic._measure.calibrate import (
@@ -93,6 +94,7 @@ class MeasureRequest:
     imatrix: str | None = None
     refine: int = 0  # rounds of measurement at the plan (top-down, GGUF)
     max_size: int | None = None  # the budget the refinement plans at
+    gpu_layers: int | str | None = None  # llama.cpp's offload ("all", a count; None: the default)
 
 
 def _remove_stale_work(workdir: Path, name: str) -> None:
@@ -247,9 +249,25 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
     journal = Journal.resume(jpath, fingerprint) if req.resume else Journal.start(jpath, fingerprint)
     try:
         assert rows is not None and reference is not None
-        return _run(req, journal, plan, rows, reference, teacher_path, {**head, "runtime": runtime}, out, started, progress)
+        notes = _runtime_notes(req, side, reference)
+        return _run(req, journal, plan, rows, reference, teacher_path,
+                    {**head, "runtime": runtime, **({"notes": notes} if notes else {})}, out, started, progress)
     finally:
         journal.close()
+
+
+def _runtime_notes(req: MeasureRequest, side: Side, reference: dict | None) -> list[str]:
+    """What the document says of where it ran: a GPU asked for and not found, a saved teacher made by another
+    runtime or on another device."""
+    if side.format != "gguf":
+        return []
+    info = get_runtime(threads=req.threads, verbose=req.verbose, gpu_layers=req.gpu_layers).info
+    notes = [info.note] if info.note else []
+    if reference is not None and reference["kind"] == "saved":
+        note = runtime_note(reference.get("runtime"), info)
+        if note:
+            notes.append(note)
+    return notes
 
 
 def _measured_units(req: MeasureRequest, side: Side) -> list[int]:
@@ -329,8 +347,8 @@ def _teacher(req: MeasureRequest, journal: Journal, reference: dict, teacher_pat
     if done:
         raise MosaicError(f"--resume: the teacher's saved top-k {teacher_path} is missing or changed; measure again without --resume")
     tmp = teacher_path.with_name(teacher_path.name + ".tmp.npz")
-    evaluate(EvalRequest([], req.reference, req.text, ctx, k, save_reference=tmp, threads=req.threads, verbose=req.verbose),
-             progress)
+    evaluate(EvalRequest([], req.reference, req.text, ctx, k, save_reference=tmp, threads=req.threads, verbose=req.verbose,
+                         gpu_layers=req.gpu_layers), progress)
     with open(tmp, "rb") as f:  # durable before the journal names it
         os.fsync(f.fileno())
     os.replace(tmp, teacher_path)
@@ -369,6 +387,7 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
             work = workdir / f".{out.name}.measure-{os.getpid()}"
             shutil.rmtree(work, ignore_errors=True)
             scorer = side.scorer(plan.pairs, ref, rows, work, req, progress)
+            head = {**head, "runtime": scorer.runtime}  # after a load: what it offloaded, and where
         if base_rec is None:
             assert scorer is not None
             t0 = time.monotonic()

@@ -5,7 +5,7 @@ A shard's candidates are those whose index in the measurement's sorted (layer, g
 Every part holds what the whole needs apart from the other parts' candidates: the sources' digests, the
 settings, the weight errors of every result, the top's versions, and the list of every candidate
 (``settings.shard.units``), so that the merge needs nothing but the parts and can prove they are one
-measurement: the same inputs and settings (a runtime's thread count excepted), every shard of 1..N once,
+measurement: the same inputs and settings (where the runtime ran excepted: its threads, offload and device), every shard of 1..N once,
 each holding exactly its candidates. The merged document is the one a single run would have written, its
 seconds summed; a top-down one is calibrated only then, from every part's drops.
 """
@@ -55,7 +55,7 @@ def _inputs(doc: dict) -> dict:
     versions and the results' weight errors. Names of places (paths given, a text's file name) may differ
     between machines; the digests decide."""
     d = copy.deepcopy(doc)
-    for key in ("seconds", "seconds_per_candidate", "forward_passes", "measured"):
+    for key in ("seconds", "seconds_per_candidate", "forward_passes", "measured", "notes"):
         d.pop(key, None)
     d["settings"].pop("shard")
     d["base"] = {k: v for k, v in d["base"].items() if k in ("files", "bytes")}
@@ -65,8 +65,9 @@ def _inputs(doc: dict) -> dict:
         d["reference"] = {k: v for k, v in ref.items() if k not in ("source", "runtime") and not (k == "model" and ref.get("kind") == "model")}
     if isinstance(d.get("text"), dict):
         d["text"].pop("file", None)
-    if isinstance(d.get("runtime"), dict):
-        d["runtime"].pop("threads", None)
+    if isinstance(d.get("runtime"), dict):  # where it ran: threads, offload and device may differ between parts
+        for k in ("threads", "gpu_layers", "offloaded", "device"):
+            d["runtime"].pop(k, None)
     if "top" in d:
         d["top"] = {"versions": d["top"]["versions"]}
     if d["settings"]["method"] == "top-down":

@@ -135,11 +135,11 @@ def gguf_side(req: object, progress: Reporter) -> Side:
 
     def scorer(pairs: Iterable[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
         return GGUFScorer(base, donors, units, pairs, ref, rows, work, threads=req.threads,  # type: ignore[attr-defined]
-                          verbose=req.verbose, progress=progress)  # type: ignore[attr-defined]
+                          verbose=req.verbose, gpu_layers=req.gpu_layers, progress=progress)  # type: ignore[attr-defined]
 
     return Side(
         "gguf", kind, only, units, selected, versions, sizes, base.size, base_files, files,
-        lambda: get_runtime(threads=r.threads, verbose=r.verbose).info.as_dict(),  # type: ignore[attr-defined]
+        lambda: get_runtime(threads=r.threads, verbose=r.verbose, gpu_layers=r.gpu_layers).info.as_dict(),  # type: ignore[attr-defined]
         lambda ui, d: _same_gguf_bytes(units[ui], base, donors[d]),
         lambda pairs: part_bytes(base, units, donors, pairs),
         scorer, reference_files, weight_errors, {t.name: t.ne for t in base.tensors},

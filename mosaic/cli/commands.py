@@ -372,22 +372,27 @@ def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | 
 @click.option("--plot", "plot", type=click.Path(path_type=Path), default=None, metavar="FILE.svg|FILE.png",
               help="Draw each candidate's KL and top-1 against its size on disk (the teacher at KL 0); the plot extra.")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None, help="Runtime threads (default: every core).")
+@click.option("--gpu-layers", "gpu_layers", default=None, metavar="N|all",
+              help="Layers llama.cpp offloads to the GPU (default: all where the runtime can offload, else 0).")
 @click.option("--verbose", is_flag=True, help="Show the runtime's own log lines on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
 def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int | None, top_k: int | None,
-             save_reference: Path | None, plot: Path | None, threads: int | None, verbose: bool, as_json: bool) -> None:
+             save_reference: Path | None, plot: Path | None, threads: int | None, gpu_layers: str | None, verbose: bool,
+             as_json: bool) -> None:
     """Score CANDIDATEs against a teacher on the same tokens: the quality panel of a mosaic.
 
     Per candidate: top-1 agreement with the teacher, KL(teacher || candidate) (exact with a live teacher,
     the KL lower bound from a saved top-k) with mean/p50/p95/p99/max, the text's own NLL, the same per row;
     and from the first candidate to each later one, rows improved / regressed on top-1, KL and NLL.
-    GGUF models run on llama.cpp (CPU); EXL3 folders on exllamav3 (the exl3 extra and a CUDA GPU).
+    GGUF models run on llama.cpp (on the GPU where the runtime can offload); EXL3 folders on exllamav3 (the exl3
+    extra and a CUDA GPU).
     """
     from mosaic.cli.render import render_eval
 
     res = api.evaluate(list(candidates), reference=reference, text=text, ctx=ctx, top_k=top_k,
-                       save_reference=save_reference, plot=plot, threads=threads, verbose=verbose, progress=_bars(as_json))
+                       save_reference=save_reference, plot=plot, threads=threads, gpu_layers=gpu_layers, verbose=verbose,
+                       progress=_bars(as_json))
     doc = res.as_dict()
     if as_json:
         _emit_json(doc)
@@ -429,13 +434,15 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--resume", is_flag=True, help="Continue an interrupted measurement (<out>.partial) with the same inputs.")
 @click.option("--force", is_flag=True, help="Replace an existing --out (or an interrupted measurement's journal).")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None, help="Runtime threads (default: every core).")
+@click.option("--gpu-layers", "gpu_layers", default=None, metavar="N|all",
+              help="Layers llama.cpp offloads to the GPU (default: all where the runtime can offload, else 0).")
 @click.option("--verbose", is_flag=True, help="Show the runtime's own log lines on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurement document on stdout.")
 @_guarded
 def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], reference: str | None, text: Path | None,
                 method: str, calibrate: str, unit: str | None, only_layers: str | None, ctx: int | None, top_k: int | None,
                 imatrix: str | None, refine: int | None, max_size: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
-                force: bool, threads: int | None, verbose: bool, as_json: bool) -> None:
+                force: bool, threads: int | None, gpu_layers: str | None, verbose: bool, as_json: bool) -> None:
     """Measure what each unit buys from each donor, on the model, for mosaic plan: by default from the weight
     errors in the files, calibrated from the top (one forward pass per unit); --merge joins a sharded one."""
     from mosaic.cli.render import render_measurement
@@ -454,7 +461,8 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
         res = api.measure(base=base, donors=list(donors), reference=reference, text=text, method=method, calibrate=calibrate,
                           unit=unit, only_layers=only_layers, ctx=ctx, top_k=top_k, shard=shard, imatrix=imatrix,
                           refine=refine or 0, max_size=max_size, out=out, workdir=workdir,
-                          resume=resume, force=force, threads=threads, verbose=verbose, progress=_bars(as_json))
+                          resume=resume, force=force, threads=threads, gpu_layers=gpu_layers, verbose=verbose,
+                          progress=_bars(as_json))
     doc = res.as_dict()
     if as_json:
         _emit_json(doc)
