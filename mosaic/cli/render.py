@@ -361,6 +361,12 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
                   f"{', calibrated by ' + s['calibrate'] if s['method'] == 'top-down' else ''}), {doc['forward_passes']} forward "
                   f"passes in {doc['seconds']:.0f} s{each}; wrote {lit(str(out))}")
     console.print(f"weights compared with: {lit(s['weights_reference'])}")
+    im = s.get("imatrix")
+    if im is not None:
+        console.print(f"weighted by the importance matrix sha256 {im['sha256']} ({im['format']}, {len(im['weighted'])} tensors; "
+                      f"made from {lit(', '.join(im['datasets']) or 'an unnamed text')}, {im['chunk_count']} chunks)")
+    for note in doc.get("notes") or ():
+        console.print(f"note: {lit(note)}")
     if b["kl"] is not None:
         console.print(f"base {lit(b['source'])}: KL {b['kl']:.5f} (top-{s['kl']['k']} lower bound), top-1 {b['top1']:.4f}, "
                       f"NLL {b['nll']:.4f}; {doc['text']['rows']} rows, {doc['text']['positions']:,} positions")
@@ -371,6 +377,14 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
                       f"({moved} of {len(top['versions'])} units at a donor's version); {len(doc['measured'])} drops measured")
     for kind, c in (doc.get("calibration") or {}).items():
         console.print(f"kind {lit(kind)}: alpha {c['alpha']:.4g} ± {c['alpha_se']:.2g} from {c['units']} units")
+    ref = doc.get("refinement")
+    if ref is not None:
+        for rd in ref["rounds"]:
+            ratios = ", ".join(f"{lit(k)} {v['ratio']:.2f}" for k, v in rd["ratios"].items())
+            console.print(f"refinement round {rd['round']}: the plan at {ref['max_size']:,} bytes ({rd['bytes']:,}) has KL "
+                          f"{rd['kl']:.5f} (predicted {rd['predicted_kl']:.5f}); {len(rd['moves'])} moves; measured / predicted: {ratios}")
+        console.print("the plan of the refined predictions " + ("is the last round's (converged)" if ref["converged"]
+                                                                   else "differs from the last round's (not converged)"))
     if shard:
         console.print("its predictions need every shard: mosaic measure --merge --out FILE PART.json ...")
         return
