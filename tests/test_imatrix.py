@@ -8,6 +8,7 @@ own `llama-imatrix` (`tests/data/README.md`). Every weighted error is checked ag
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -260,3 +261,51 @@ def test_merge_refuses_shards_weighted_by_another_matrix(dense: dict[str, Path],
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
     assert "another importance matrix" in r.stderr and str(parts[1]) in r.stderr
     assert not (tmp_path / "m.json").exists()
+
+
+# ------------------------------------------------------------------------- the real model, the IQ ladder
+
+
+@pytest.fixture(scope="module")
+def iq(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """SmolLM2-135M requantized by llama.cpp's own quantizer: a Q2_K base and IQ donors."""
+    from tests.conftest import smollm2_quants
+
+    teacher, q = smollm2_quants(["Q2_K", "IQ3_S", "IQ4_XS"])
+    return {"teacher": teacher, **q, "dir": tmp_path_factory.mktemp("iq")}
+
+
+def test_iq_donors_are_measured_planned_built_and_loaded(iq: dict[str, Path]) -> None:
+    """The ladder people have: IQ types in the census, weighted by the real importance matrix exactly as NumPy
+    over gguf-py weights them, in a plan, a build its audit passes, and llama.cpp running the result."""
+    census = mosaic.census(iq["IQ4_XS"]).as_dict()
+    assert "IQ4_XS" in json.dumps(census) and "IQ4_NL" in json.dumps(census)
+    d = iq["dir"]
+    doc = mosaic.measure(base=iq["Q2_K"], donors={"iq3s": iq["IQ3_S"], "iq4xs": iq["IQ4_XS"]}, reference=iq["teacher"],
+                         method="weights", unit="module-group", only_layers="3", imatrix=SMOL_IMATRIX["gguf"],
+                         out=d / "w.json").document
+    weighted = doc["settings"]["imatrix"]["weighted"]  # every weight the matrix holds (the top holds every layer)
+    assert len(weighted) == 210 and "blk.3.ffn_down.weight" in weighted and "token_embd.weight" not in weighted
+    rows = {(r["group"], r["donor"]): r for r in doc["results"]}
+    for group in ("ffn_down", "attn_v"):
+        name = f"blk.3.{group}.weight"
+        for donor, q in (("iq3s", "IQ3_S"), ("iq4xs", "IQ4_XS")):
+            assert rows[(group, donor)]["eps"] == pytest.approx(_numpy_eps(iq[q], iq["teacher"], SMOL_IMATRIX["gguf"], name), rel=1e-9)
+        assert rows[(group, "iq4xs")]["eps_base"] == pytest.approx(
+            _numpy_eps(iq["Q2_K"], iq["teacher"], SMOL_IMATRIX["gguf"], name), rel=1e-9)
+    size = iq["Q2_K"].stat().st_size + 400_000
+    plan = mosaic.plan(base=iq["Q2_K"], donors={"iq3s": iq["IQ3_S"], "iq4xs": iq["IQ4_XS"]}, scores=d / "w.json",
+                       max_size=size, out=d / "planned.yaml")
+    assert plan.report["chosen"] and plan.report["predicted_size"] <= size
+    built = mosaic.build(d / "planned.yaml", out=d / "built")
+    assert mosaic.audit(built.out).ok
+    assert sum(f.stat().st_size for f in built.out.glob("*.gguf")) == plan.report["predicted_size"]
+    from mosaic._checkpoint.gguf_model import open_gguf_model
+
+    types = {t.name: t.type_name for t in open_gguf_model(built.out).tensors}
+    assert any(types[f"blk.3.{c['group']}.weight"].startswith("IQ") for c in plan.report["chosen"])
+    rows_txt = d / "rows.txt"
+    rows_txt.write_text("The river begins as a thin stream high in the mountains.\n")
+    ev = mosaic.evaluate([iq["Q2_K"], built.out], reference=iq["teacher"], text=rows_txt, ctx=32)
+    base_kl, mosaic_kl = (c["kl"]["mean"] for c in ev.candidates)
+    assert 0 < mosaic_kl < base_kl

@@ -200,7 +200,8 @@ def assemble_with_ggufpy(base: list[Path], donors: dict[str, list[Path]], take: 
 
 
 #: llama.cpp's ``llama_ftype`` numbers of the quantizations the tests and the benchmark make of SmolLM2.
-FTYPES = {"Q8_0": 7, "Q5_0": 8, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q6_K": 18}
+FTYPES = {"Q8_0": 7, "Q5_0": 8, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q6_K": 18, "IQ4_NL": 25, "IQ3_S": 26,
+          "IQ4_XS": 30}
 
 
 def smollm2_gguf() -> Path | None:
