@@ -585,6 +585,7 @@ def measure(
     text: PathLike | None = None,
     method: str = "top-down",
     calibrate: str = "units",
+    curve: str = "line",
     unit: str | None = None,
     only_layers: str | Sequence[int] | None = None,
     ctx: int | None = None,
@@ -612,6 +613,8 @@ def measure(
     predicted from both), ``"weights"`` (the weight errors alone, nothing runs: no ``reference`` needed, no
     ``text``) or ``"swaps"`` (every "base + one unit from one donor" run). ``calibrate``: ``"units"`` (each
     unit its own) or ``"kinds"`` (each kind of unit pooled over ``only_layers``, given to every layer).
+    ``curve``: ``"line"`` (one drop per unit) or ``"two-point"`` (a second drop, to the version nearest the
+    log-midpoint of the top's and the base's weight errors: each unit's loss as two lines).
     ``unit``: ``layer``, ``layer-experts`` or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list.
     ``imatrix``: an importance matrix (llama-imatrix's GGUF or legacy ``.dat``, a file or a pinned hub file
     ``"ORG/NAME@COMMIT:FILE"``) that weights every weight error by each input channel's importance (GGUF bases).
@@ -665,7 +668,7 @@ def measure(
                          None if text is None else Path(text), unit, layers, ctx, top_k, Path(out), resume, force,
                          None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard,
                          None if imatrix is None else os.fspath(imatrix), refine,
-                         parse_size(max_size) if isinstance(max_size, str) else max_size, parse_gpu_layers(gpu_layers))
+                         parse_size(max_size) if isinstance(max_size, str) else max_size, parse_gpu_layers(gpu_layers), curve)
     with _running(progress, unit="candidates") as r:
         doc = _measure(req, r)
     return MeasureResult(Path(out), doc)

@@ -57,12 +57,53 @@ def alpha_of(dkl_drop: float, dkl_drop_se: float, eps_base: float, eps_top: floa
 
 
 def measured_record(layer: int | None, group: str | None, kl: float, top1: float, nll: float, top_kl: float,
-                    dkl_drop_se: float, eps_base: float, eps_top: float) -> dict[str, object]:
-    """The document's record of one candidate that ran: the top with this unit at the base's version."""
+                    dkl_drop_se: float, eps_base: float, eps_top: float, mid: dict | None = None) -> dict[str, object]:
+    """The document's record of one candidate that ran: the top with this unit at the base's version (and, with
+    ``--curve two-point``, ``mid``: the top with it at an intermediate version, ``{"donor", "eps", "kl",
+    "dkl_drop", "dkl_drop_se"}``)."""
     drop = kl - top_kl
-    return {"layer": layer, "group": group, "dkl_drop": drop, "dkl_drop_se": dkl_drop_se, "kl": kl, "top1": top1,
-            "nll": nll, "eps_base": eps_base, "eps_top": eps_top,
-            "alpha": alpha_of(drop, dkl_drop_se, eps_base, eps_top).value}
+    rec: dict[str, object] = {"layer": layer, "group": group, "dkl_drop": drop, "dkl_drop_se": dkl_drop_se, "kl": kl,
+                              "top1": top1, "nll": nll, "eps_base": eps_base, "eps_top": eps_top,
+                              "alpha": alpha_of(drop, dkl_drop_se, eps_base, eps_top).value}
+    if mid is not None:
+        rec["mid"] = mid
+    return rec
+
+
+def mid_version(versions: Sequence[str], eps: Mapping[str, float], nbytes: Mapping[str, int], top: str) -> str | None:
+    """The second point of a unit's curve: among its versions strictly between the top's and the base's weight
+    error, the one nearest their midpoint on a log scale (where a plan's versions lie: weight errors of the
+    ladder's types are spread by factors, not by steps); ties: the fewer bytes, then the donor id. ``None``
+    where no version lies between. A top at zero error (the teacher's own tensor) counts as 10⁻⁴ of the base's."""
+    lo, hi = eps[top], eps[BASE]
+    inner = [v for v in versions if v not in (BASE, top) and lo < eps[v] < hi]
+    if not inner or hi <= 0:
+        return None
+    target = (math.log(max(lo, hi * 1e-4)) + math.log(hi)) / 2
+    return min(inner, key=lambda v: (abs(math.log(eps[v]) - target) if eps[v] > 0 else math.inf, nbytes[v], v))
+
+
+def curve_loss(m: Mapping[str, object], eps: float) -> tuple[float, float]:
+    """A unit's loss over the top at weight error ``eps`` and its standard error, on the curve its drops measured:
+    the line from the top through the drop to the base's version, or, with a second drop (``mid``), the two
+    lines top → mid → base (the mid drop kept between 0 and the base's, so that more error never predicts less
+    loss); beyond the base's error, the last line goes on."""
+    top, base = float(m["eps_top"]), float(m["eps_base"])  # type: ignore[arg-type]
+    d_base, se_base = max(0.0, float(m["dkl_drop"])), float(m["dkl_drop_se"])  # type: ignore[arg-type]
+    mid = m.get("mid")
+    if base <= top:
+        return 0.0, 0.0
+    if not mid:
+        f = (eps - top) / (base - top)
+        return d_base * f, se_base * abs(f)
+    e_mid = float(mid["eps"])  # type: ignore[index]
+    d_mid = min(d_base, max(0.0, float(mid["dkl_drop"])))  # type: ignore[index]
+    se_mid = float(mid["dkl_drop_se"])  # type: ignore[index]
+    if eps <= e_mid:
+        f = (eps - top) / (e_mid - top)
+        return d_mid * f, se_mid * abs(f)
+    f = (eps - e_mid) / (base - e_mid)
+    return d_mid + (d_base - d_mid) * f, math.hypot(se_mid * (1 - f), se_base * f)
 
 
 def kind_alphas(measured: Iterable[Mapping[str, object]]) -> dict[str, tuple[Alpha, int]]:
@@ -97,7 +138,21 @@ def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibra
          base_kl: float | None) -> list[dict]:
     """Every (unit, donor) row (``layer``, ``group``, ``donor``, ``eps``, ``eps_base``...) with its predicted
     ``dkl`` from the measured drops: each unit's own alpha (``units``; 0 for a unit not run, whose top version
-    is the base's) or its kind's (``kinds``)."""
+    is the base's), its own two-line curve where it has a second drop, or its kind's alpha (``kinds``)."""
+    if calibrate == "units" and any(m.get("mid") for m in measured):
+        curves = {unit_key(m["layer"], m["group"]): m for m in measured}  # type: ignore[arg-type]
+        out = []
+        for r in rows:
+            m = curves.get(unit_key(r["layer"], r["group"]))
+            if m is None:
+                out.append({**r, **predicted(Alpha(0.0, 0.0), r["eps_base"], r["eps"], base_kl)})
+                continue
+            at_base, se_base = curve_loss(m, r["eps_base"])
+            at_v, se = curve_loss(m, r["eps"])
+            dkl = at_v - at_base
+            out.append({**r, "kl": None if base_kl is None else base_kl + dkl, "dkl": dkl, "dkl_se": math.hypot(se, se_base),
+                        "dtop1": None, "dnll": None, "predicted": True})
+        return out
     if calibrate == "kinds":
         by_kind = {k: a for k, (a, _) in kind_alphas(measured).items()}
         alpha_of_row = lambda r: by_kind.get(kind_of(r["group"]), Alpha(0.0, 0.0))  # noqa: E731

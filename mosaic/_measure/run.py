@@ -46,6 +46,7 @@ from mosaic._measure.calibrate import (
     complete,
     kind_of,
     measured_record,
+    mid_version,
     predicted,
     top_versions,
     unit_key,
@@ -70,6 +71,7 @@ from mosaic._sources.gguf import is_gguf_src
 
 METHODS = ("top-down", "weights", "swaps")
 CALIBRATIONS = ("units", "kinds")
+CURVES = ("line", "two-point")
 
 
 @dataclass
@@ -95,6 +97,7 @@ class MeasureRequest:
     refine: int = 0  # rounds of measurement at the plan (top-down, GGUF)
     max_size: int | None = None  # the budget the refinement plans at
     gpu_layers: int | str | None = None  # llama.cpp's offload ("all", a count; None: the default)
+    curve: str = "line"  # top-down: one drop per unit (a line), or two (to the base's and a middle version)
 
 
 def _remove_stale_work(workdir: Path, name: str) -> None:
@@ -133,6 +136,12 @@ def _check_request(req: MeasureRequest) -> Shard | None:
     if req.calibrate == "kinds" and not req.only_layers:
         raise MosaicError("--calibrate kinds needs --only-layers: the layers whose units are measured to calibrate each kind")
     shard = parse_shard(req.shard) if req.shard is not None else None
+    if req.curve not in CURVES:
+        raise MosaicError(f"--curve {req.curve}: one of {', '.join(CURVES)}")
+    if req.curve != "line" and req.method != "top-down":
+        raise MosaicError(f"--curve {req.curve} shapes the drops of --method top-down, not of --method {req.method}")
+    if req.curve != "line" and req.calibrate == "kinds":
+        raise MosaicError(f"--curve {req.curve} gives each unit a curve of its own: not with --calibrate kinds")
     if req.refine < 0:
         raise MosaicError(f"--refine {req.refine}: a number of rounds, at least 1")
     if req.refine and req.max_size is None:
@@ -223,12 +232,14 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
                       "dkl": "weight error" if req.method == "weights" else "nats"}
     if importance is not None:
         settings["imatrix"] = importance.record(errors.weighted)
+    if req.method == "top-down":
+        settings["curve"] = req.curve
     if req.refine:
         assert req.max_size is not None
         if req.max_size < side.base_bytes:
             raise MosaicError(f"--max-size {req.max_size:,} bytes: smaller than the base alone ({side.base_bytes:,} bytes)")
         settings["refine"] = {"rounds": req.refine, "max_size": req.max_size}
-    plan = _Plan(side, errors, req.method, measured_units, shard, req.refine)
+    plan = _Plan(side, errors, req.method, measured_units, shard, req.refine, req.curve)
     if shard is not None:
         settings["shard"] = {"k": shard.k, "n": shard.n, "units": [unit_key(side.units[u].layer, side.units[u].group)
                                                                     for u in measured_units]}
@@ -290,7 +301,7 @@ class _Plan:
     """What runs: the versions of the top, the candidates of this run (its shard), the laid-out versions."""
 
     def __init__(self, side: Side, errors: Errors, method: str, measured_units: list[int], shard: Shard | None,
-                 refine: int = 0) -> None:
+                 refine: int = 0, curve: str = "line") -> None:
         self.side, self.errors, self.method, self.refine = side, errors, method, refine
         self.measured_units = measured_units
         mine = [u for i, u in enumerate(measured_units) if shard is None or in_shard(i, shard)]
@@ -298,13 +309,22 @@ class _Plan:
         if self.top is not None:
             self.top_map = {ui: v for ui, v in enumerate(self.top) if v != BASE}
             self.drops = [ui for ui in mine if self.top[ui] != BASE]  # a unit whose best version is the base's: no drop
-            self.pairs = set(self.top_map.items())
+            self.mids: dict[int, str] = {}
+            if curve == "two-point":  # the second point of each unit's curve, where a version lies between
+                for ui in self.drops:
+                    vs = side.versions[ui]
+                    mid = mid_version(vs, {v: errors.eps[(ui, v)] for v in vs}, {v: side.dbytes[(ui, v)] for v in vs},
+                                      self.top[ui])
+                    if mid is not None:
+                        self.mids[ui] = mid
+            self.pairs = set(self.top_map.items()) | set(self.mids.items())
             if refine:  # a plan may take any version of any unit
                 self.pairs |= {(ui, d) for ui, vs in enumerate(side.versions) for d in vs[1:]}
             self.swaps: list[tuple[int, str]] = []
         else:
             self.top_map = {}
             self.drops = []
+            self.mids = {}
             self.swaps = [(ui, d) for ui in mine for d in side.versions[ui][1:]]
             self.pairs = set(self.swaps)
         self.mine = mine
@@ -376,12 +396,14 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
     same = [(ui, d) for ui, d in plan.swaps if (units[ui].layer, units[ui].group, d) not in done and side.same_bytes(ui, d)]
     swaps = [(ui, d) for ui, d in plan.swaps if (units[ui].layer, units[ui].group, d) not in done and (ui, d) not in same]
     drops = [ui for ui in plan.drops if (units[ui].layer, units[ui].group) not in dropped]
+    mid_done = {(r["layer"], r["group"]) for r in recs if r["kind"] == "drop-mid"}
+    mids = [ui for ui in plan.drops if ui in plan.mids and (units[ui].layer, units[ui].group) not in mid_done]
     need_top = plan.top is not None and top_rec is None
     workdir = (Path(req.workdir) if req.workdir is not None else out.parent).resolve()
     scorer: Scorer | None = None
     work: Path | None = None
     try:
-        if swaps or drops or base_rec is None or need_top or plan.refine:
+        if swaps or drops or mids or base_rec is None or need_top or plan.refine:
             check_space(workdir, side.space_needed(plan.pairs))
             _remove_stale_work(workdir, out.name)
             work = workdir / f".{out.name}.measure-{os.getpid()}"
@@ -403,7 +425,7 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
             u = units[ui]
             journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "kl": base_rec["kl"], "dkl": 0.0,
                          "dkl_se": 0.0, "dtop1": 0.0, "dnll": 0.0, "same_as_base": True, "seconds": 0.0})
-        todo = len(swaps) + len(drops)
+        todo = len(swaps) + len(drops) + len(mids)
         advance = progress.step(f"{todo} candidates ({len(done) + len(dropped)} measured before)", todo)
         for ui, d in swaps:
             assert scorer is not None
@@ -425,6 +447,18 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
             p = scorer.score(versions, f"the top with {u.describe()} at the base's version")
             c_kl = [r["kl"] for r in p["rows"]]
             rec = _panel_record("drop", p, t0, layer=u.layer, group=u.group)
+            rec["dkl_drop_se"] = _se(c_kl, [r[0] for r in top_rec["rows"]])
+            journal.add(rec)
+            fault_point("candidate")
+            advance(1)
+        for ui in mids:
+            assert scorer is not None and top_rec is not None
+            u, mid = units[ui], plan.mids[ui]
+            versions = {**plan.top_map, ui: mid}
+            t0 = time.monotonic()
+            p = scorer.score(versions, f"the top with {u.describe()} at {mid}'s version")
+            c_kl = [r["kl"] for r in p["rows"]]
+            rec = _panel_record("drop-mid", p, t0, layer=u.layer, group=u.group, donor=mid)
             rec["dkl_drop_se"] = _se(c_kl, [r[0] for r in top_rec["rows"]])
             journal.add(rec)
             fault_point("candidate")
@@ -472,19 +506,24 @@ def _document(plan: _Plan, records: list[dict], head: dict, ref: Reference) -> d
         return doc
     top_rec = next(r for r in records if r["kind"] == "top")
     drops = {(r["layer"], r["group"]): r for r in records if r["kind"] == "drop"}
+    mids = {(r["layer"], r["group"]): r for r in records if r["kind"] == "drop-mid"}
     measured = []
     for ui in plan.drops:
         u = units[ui]
         r = drops[(u.layer, u.group)]
+        m = mids.get((u.layer, u.group)) if ui in plan.mids else None
+        mid = None if m is None else {"donor": m["donor"], "eps": errors.eps[(ui, m["donor"])], "kl": m["kl"],
+                                      "dkl_drop": m["kl"] - top_rec["kl"], "dkl_drop_se": m["dkl_drop_se"]}
         measured.append(measured_record(u.layer, u.group, r["kl"], r["top1"], r["nll"], top_rec["kl"], r["dkl_drop_se"],
-                                        errors.eps[(ui, BASE)], errors.eps[(ui, plan.top[ui])]))  # type: ignore[index]
+                                        errors.eps[(ui, BASE)], errors.eps[(ui, plan.top[ui])], mid))  # type: ignore[index]
     calibrate = head["settings"]["calibrate"]
     row_units = range(len(units)) if calibrate == "kinds" else plan.measured_units
     rows = [_row(side, errors, ui, d) for ui in row_units for d in side.versions[ui][1:]]
     seconds = [drops[(units[ui].layer, units[ui].group)]["seconds"] for ui in plan.drops]
+    seconds += [r["seconds"] for r in mids.values()]
     doc.update({
         "seconds": 0.0, "seconds_per_candidate": round(statistics.mean(seconds), 3) if seconds else None,
-        "forward_passes": teacher_runs + 2 + len(measured),
+        "forward_passes": teacher_runs + 2 + len(measured) + sum("mid" in m for m in measured),
         "top": {"kl": top_rec["kl"], "top1": top_rec["top1"], "nll": top_rec["nll"],
                 "versions": {unit_key(u.layer, u.group): plan.top[i] for i, u in enumerate(units)}},  # type: ignore[index]
         "measured": measured,

@@ -150,7 +150,8 @@ def _merge(parts: list[Path], out: Path, force: bool) -> dict:
     position = {u: i for i, u in enumerate(order)}
     doc = copy.deepcopy(first)
     del doc["settings"]["shard"]
-    ran = [(len(d["measured"]) if top is not None else sum(not r.get("same_as_base") for r in d["results"]), d) for _, d in by_k.values()]
+    ran = [(len(d["measured"]) + sum("mid" in m for m in d["measured"]) if top is not None
+            else sum(not r.get("same_as_base") for r in d["results"]), d) for _, d in by_k.values()]
     total = sum(c for c, _ in ran)
     doc["seconds"] = round(sum(d["seconds"] for _, d in by_k.values()), 3)
     doc["seconds_per_candidate"] = (round(sum(c * (d["seconds_per_candidate"] or 0.0) for c, d in ran) / total, 3)

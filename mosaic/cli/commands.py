@@ -413,6 +413,9 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
                    "weights: the weight errors alone (no model runs); swaps: every base + one unit from one donor, run.")
 @click.option("--calibrate", type=click.Choice(["units", "kinds"]), default="units", show_default=True,
               help="top-down: each unit's own sensitivity, or one per kind of unit pooled over --only-layers and given to every layer.")
+@click.option("--curve", type=click.Choice(["line", "two-point"]), default="line", show_default=True,
+              help="top-down: each unit's loss as the line through its drop to the base's version, or two lines through a "
+                   "second drop to the version halfway (log scale) between the top's and the base's weight errors.")
 @click.option("--unit", type=click.Choice(["layer", "layer-experts", "module-group"]), default=None,
               help="What a candidate takes from a donor (default: layer-experts where the base has routed experts, else layer).")
 @click.option("--only-layers", "only_layers", default=None, metavar="LIST", help="Measure only these layers, e.g. 0-5,9,12.")
@@ -440,7 +443,7 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--json", "as_json", is_flag=True, help="Print the measurement document on stdout.")
 @_guarded
 def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], reference: str | None, text: Path | None,
-                method: str, calibrate: str, unit: str | None, only_layers: str | None, ctx: int | None, top_k: int | None,
+                method: str, calibrate: str, curve: str, unit: str | None, only_layers: str | None, ctx: int | None, top_k: int | None,
                 imatrix: str | None, refine: int | None, max_size: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
                 force: bool, threads: int | None, gpu_layers: str | None, verbose: bool, as_json: bool) -> None:
     """Measure what each unit buys from each donor, on the model, for mosaic plan: by default from the weight
@@ -459,6 +462,7 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
         if base is None or not donors:
             raise MosaicError("give --base SRC and at least one --donor ID=SRC (or --merge PART.json ...)")
         res = api.measure(base=base, donors=list(donors), reference=reference, text=text, method=method, calibrate=calibrate,
+                          curve=curve,
                           unit=unit, only_layers=only_layers, ctx=ctx, top_k=top_k, shard=shard, imatrix=imatrix,
                           refine=refine or 0, max_size=max_size, out=out, workdir=workdir,
                           resume=resume, force=force, threads=threads, gpu_layers=gpu_layers, verbose=verbose,

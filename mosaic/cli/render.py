@@ -358,7 +358,8 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
     what = f"shard {shard['k']}/{shard['n']} of a measurement" if shard else "measured"
     each = f" ({doc['seconds_per_candidate']:.2f} s per candidate)" if doc.get("seconds_per_candidate") else ""
     console.print(f"[bold]{what}[/bold]: {len(doc['results'])} results ({s['unit']} units, method {s['method']}"
-                  f"{', calibrated by ' + s['calibrate'] if s['method'] == 'top-down' else ''}), {doc['forward_passes']} forward "
+                  f"{', calibrated by ' + s['calibrate'] if s['method'] == 'top-down' else ''}"
+                  f"{', two drops per unit' if s.get('curve') == 'two-point' else ''}), {doc['forward_passes']} forward "
                   f"passes in {doc['seconds']:.0f} s{each}; wrote {lit(str(out))}")
     console.print(f"weights compared with: {lit(s['weights_reference'])}")
     im = s.get("imatrix")

@@ -1,0 +1,133 @@
+"""`mosaic measure --curve two-point`: each unit's loss as two lines, through a second drop from the top.
+
+The second point is checked against its rule (the version nearest the log-midpoint of the top's and the base's
+weight errors), its drop against `mosaic eval` of that very model built by `mosaic build`, the predictions against
+the two-line formula written out here, and a sharded run against one run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import mosaic
+from mosaic._eval.run import EvalRequest, evaluate
+from mosaic._measure.calibrate import mid_version
+from mosaic.cli.commands import main
+from mosaic.testing.gguf import Geometry, write_llama_gguf
+from tests.conftest import needs_runtime
+
+GEO = Geometry(n_layer=2)
+ROWS = "the model of a mosaic\nbytes and the bytes of a model\nthe mosaic is a model of bytes and bytes\n"
+DONORS = {"q41": "Q4_1", "q5": "Q5_0", "q8": "Q8_0"}
+
+
+def test_the_second_point_is_nearest_the_log_midpoint() -> None:
+    eps = {"base": 1e-2, "a": 5e-3, "b": 1.2e-3, "c": 2e-4, "top": 1e-4}
+    size = dict.fromkeys(eps, 10)
+    assert mid_version(list(eps), eps, size, "top") == "b"  # sqrt(1e-2 · 1e-4) = 1e-3
+    assert mid_version(["base", "top"], eps, size, "top") is None  # nothing between
+    zero = {**eps, "top": 0.0}  # the teacher's own tensor: 1e-4 of the base's stands in for 0
+    assert mid_version(list(zero), zero, size, "top") == "c"  # log-midpoint of 1e-6 and 1e-2: 1e-4
+    tie = {"base": 1e-2, "x": 1e-3, "y": 1e-3, "top": 1e-4}
+    assert mid_version(list(tie), tie, {"base": 9, "x": 8, "y": 5, "top": 9}, "top") == "y"  # the fewer bytes
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    needs_runtime()
+    d = tmp_path_factory.mktemp("curve")
+    paths = {q: write_llama_gguf(d / f"{q}.gguf", qtype=q, seed=9, geometry=GEO)[0] for q in ("Q4_0", *DONORS.values(), "F16")}
+    (d / "rows.txt").write_text(ROWS)
+    paths["rows"] = d / "rows.txt"
+    saved = d / "teacher.npz"
+    evaluate(EvalRequest([], str(paths["F16"]), paths["rows"], ctx=16, top_k=16, save_reference=saved))
+    paths["saved"] = saved
+    paths["dir"] = d
+    return paths
+
+
+def _measure(m: dict[str, Path], out: Path, **kw: object) -> dict:
+    return mosaic.measure(base=m["Q4_0"], donors={d: m[q] for d, q in DONORS.items()}, reference=m["saved"], text=m["rows"],
+                          unit="module-group", curve="two-point", out=out, **kw).as_dict()
+
+
+@pytest.fixture(scope="module")
+def two(models: dict[str, Path]) -> dict:
+    return _measure(models, models["dir"] / "two.json")
+
+
+def _two_lines(m: dict, eps: float) -> float:
+    """The loss over the top at ``eps``: top → mid → base, the mid drop kept between 0 and the base's."""
+    top, base, d_base = m["eps_top"], m["eps_base"], max(0.0, m["dkl_drop"])
+    e_mid, d_mid = m["mid"]["eps"], min(d_base, max(0.0, m["mid"]["dkl_drop"]))
+    if eps <= e_mid:
+        return d_mid * (eps - top) / (e_mid - top)
+    return d_mid + (d_base - d_mid) * (eps - e_mid) / (base - e_mid)
+
+
+def test_predictions_follow_the_two_lines_through_both_drops(two: dict) -> None:
+    assert two["settings"]["curve"] == "two-point"
+    with_mid = [m for m in two["measured"] if "mid" in m]
+    assert with_mid and two["forward_passes"] == 2 + len(two["measured"]) + len(with_mid)
+    curves = {(m["layer"], m["group"]): m for m in with_mid}
+    rows = {(r["layer"], r["group"], r["donor"]): r for r in two["results"]}
+    for m in with_mid:
+        assert m["eps_top"] < m["mid"]["eps"] < m["eps_base"] and m["mid"]["donor"] in DONORS
+        assert m["mid"]["dkl_drop"] == pytest.approx(m["mid"]["kl"] - two["top"]["kl"], abs=1e-12)
+    checked = 0
+    for (layer, group, _donor), r in rows.items():
+        m = curves.get((layer, group))
+        if m is None:
+            continue
+        want = _two_lines(m, r["eps"]) - _two_lines(m, r["eps_base"])
+        assert r["dkl"] == pytest.approx(want, rel=1e-12, abs=1e-15) and r["predicted"] is True
+        assert r["kl"] == pytest.approx(two["base"]["kl"] + r["dkl"], abs=1e-12)
+        checked += 1
+    assert checked >= 3 * len(curves) - len(curves)  # every donor of every unit with a curve
+    assert all(math.isfinite(r["dkl_se"]) and r["dkl_se"] >= 0 for r in two["results"])
+
+
+def test_a_second_drop_is_what_mosaic_eval_gives_for_that_very_model(models: dict[str, Path], two: dict, tmp_path: Path) -> None:
+    m = max((x for x in two["measured"] if "mid" in x), key=lambda x: x["mid"]["dkl_drop"])
+    key = f"{'null' if m['layer'] is None else m['layer']}/{m['group']}"
+    versions = {**two["top"]["versions"], key: m["mid"]["donor"]}
+    take: dict[str, list[str]] = {}
+    for k, d in versions.items():
+        layer, group = k.split("/")
+        if d != "base":
+            take.setdefault(d, []).append(f"{group}.weight" if layer == "null" else f"blk.{layer}.{group}.weight")
+    text = f"name: mid\nbase:\n  path: {models['Q4_0']}\ndonors:\n" + "".join(f"  {d}:\n    path: {models[DONORS[d]]}\n" for d in take)
+    text += "replace:\n" + "".join(f"  - from: {d}\n    keys: [{', '.join(ks)}]\n" for d, ks in take.items())
+    (tmp_path / "mid.yaml").write_text(text)
+    built = mosaic.build(tmp_path / "mid.yaml", out=tmp_path / "mid").out
+    ev = evaluate(EvalRequest([str(built)], str(models["saved"]), models["rows"]))
+    assert m["mid"]["kl"] == pytest.approx(ev["candidates"][0]["kl"]["mean"], abs=1e-6)
+
+
+def test_shards_of_a_two_point_measurement_merge_to_the_one_run(models: dict[str, Path], two: dict, tmp_path: Path) -> None:
+    parts = [tmp_path / f"p{k}.json" for k in (1, 2)]
+    for k, p in enumerate(parts, 1):
+        part = _measure(models, p, shard=f"{k}/2")
+        assert all(r["dkl"] is None for r in part["results"])
+    merged = mosaic.measure(merge=parts, out=tmp_path / "m.json").as_dict()
+    one = json.loads(json.dumps(two))  # a copy
+    for d in (merged, one):
+        for key in ("seconds", "seconds_per_candidate"):
+            d.pop(key)
+        d["runtime"].pop("threads")
+    assert merged == one
+
+
+def test_curve_refusals_are_one_line(models: dict[str, Path], tmp_path: Path) -> None:
+    common = ["measure", "--base", str(models["Q4_0"]), "--donor", f"q8={models['Q8_0']}", "--reference", str(models["saved"]),
+              "--text", str(models["rows"]), "--out", str(tmp_path / "m.json"), "--curve", "two-point"]
+    for extra, want in ((["--calibrate", "kinds", "--only-layers", "0"], "not with --calibrate kinds"),
+                        (["--method", "swaps"], "not of --method swaps")):
+        r = CliRunner().invoke(main, [*common, *extra])
+        assert r.exit_code == 2 and want in r.stderr and r.stderr.count("\n") == 1, r.output
+    assert not (tmp_path / "m.json").exists()
