@@ -113,3 +113,21 @@ def smollm2_quants(names: list[str]) -> tuple[Path, dict[str, Path]]:
     info = get_runtime().info
     cache = Path(os.environ.get("MOSAIC_TEST_MODELS", Path.home() / ".cache" / "mosaic" / "test-models"))
     return teacher, requantize(teacher, cache / f"smollm2-{info.name}-{info.version}", names)
+
+
+def build_versions(base: Path, donors: dict[str, Path], versions: dict[str, str], out: Path) -> Path:
+    """The GGUF mosaic that holds each ``"<layer>/<group>"`` unit of ``versions`` at that donor's version (``"base"``:
+    the base's), built by ``mosaic build`` from a recipe of tensor keys beside ``out``: a measurement's candidate
+    made the way a user would make it, to hold the measurement to. Returns the built folder."""
+    import mosaic
+
+    take: dict[str, list[str]] = {}
+    for key, d in versions.items():
+        layer, group = key.split("/")
+        if d != "base":
+            take.setdefault(d, []).append(f"{group}.weight" if layer == "null" else f"blk.{layer}.{group}.weight")
+    text = f"name: {out.name}\nbase:\n  path: {base}\ndonors:\n" + "".join(f"  {d}:\n    path: {donors[d]}\n" for d in take)
+    text += "replace:\n" + "".join(f"  - from: {d}\n    keys: [{', '.join(ks)}]\n" for d, ks in take.items())
+    recipe = out.with_name(out.name + ".yaml")
+    recipe.write_text(text)
+    return mosaic.build(recipe, out=out).out

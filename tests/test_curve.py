@@ -19,7 +19,7 @@ from mosaic._eval.run import EvalRequest, evaluate
 from mosaic._measure.calibrate import mid_version
 from mosaic.cli.commands import main
 from mosaic.testing.gguf import Geometry, write_llama_gguf
-from tests.conftest import needs_runtime
+from tests.conftest import build_versions, needs_runtime
 
 GEO = Geometry(n_layer=2)
 ROWS = "the model of a mosaic\nbytes and the bytes of a model\nthe mosaic is a model of bytes and bytes\n"
@@ -96,15 +96,7 @@ def test_a_second_drop_is_what_mosaic_eval_gives_for_that_very_model(models: dic
     m = max((x for x in two["measured"] if "mid" in x), key=lambda x: x["mid"]["dkl_drop"])
     key = f"{'null' if m['layer'] is None else m['layer']}/{m['group']}"
     versions = {**two["top"]["versions"], key: m["mid"]["donor"]}
-    take: dict[str, list[str]] = {}
-    for k, d in versions.items():
-        layer, group = k.split("/")
-        if d != "base":
-            take.setdefault(d, []).append(f"{group}.weight" if layer == "null" else f"blk.{layer}.{group}.weight")
-    text = f"name: mid\nbase:\n  path: {models['Q4_0']}\ndonors:\n" + "".join(f"  {d}:\n    path: {models[DONORS[d]]}\n" for d in take)
-    text += "replace:\n" + "".join(f"  - from: {d}\n    keys: [{', '.join(ks)}]\n" for d, ks in take.items())
-    (tmp_path / "mid.yaml").write_text(text)
-    built = mosaic.build(tmp_path / "mid.yaml", out=tmp_path / "mid").out
+    built = build_versions(models["Q4_0"], {d: models[q] for d, q in DONORS.items()}, versions, tmp_path / "mid")
     ev = evaluate(EvalRequest([str(built)], str(models["saved"]), models["rows"]))
     assert m["mid"]["kl"] == pytest.approx(ev["candidates"][0]["kl"]["mean"], abs=1e-6)
 

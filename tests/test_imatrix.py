@@ -29,28 +29,23 @@ MOE = Geometry(n_layer=2, n_embd=64, n_ff=64, n_expert=4, n_expert_used=2)
 DENSE = Geometry(n_layer=2)
 
 
-def _models(tmp: Path, geo: Geometry) -> dict[str, Path]:
-    return {q: write_llama_gguf(tmp / f"{q}.gguf", qtype=q, seed=7, geometry=geo)[0] for q in ("Q4_0", "Q5_0", "Q8_0", "F16")}
+def _ladder(tmp: Path, geo: Geometry, seed: int) -> dict[str, Path]:
+    """Four quantizations of one synthetic model and an importance matrix of it, in both formats."""
+    paths = {q: write_llama_gguf(tmp / f"{q}.gguf", qtype=q, seed=7, geometry=geo)[0] for q in ("Q4_0", "Q5_0", "Q8_0", "F16")}
+    values = imatrix_values(imatrix_targets(geo), seed=seed)
+    paths["gguf"] = write_imatrix(tmp / "imatrix.gguf", values)
+    paths["dat"] = write_imatrix(tmp / "imatrix.dat", values, fmt="dat")
+    return paths
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("imatrix-moe")
-    paths = _models(d, MOE)
-    values = imatrix_values(imatrix_targets(MOE), seed=3)
-    paths["gguf"] = write_imatrix(d / "imatrix.gguf", values)
-    paths["dat"] = write_imatrix(d / "imatrix.dat", values, fmt="dat")
-    return paths
+    return _ladder(tmp_path_factory.mktemp("imatrix-moe"), MOE, 3)
 
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("imatrix-dense")
-    paths = _models(d, DENSE)
-    values = imatrix_values(imatrix_targets(DENSE), seed=4)
-    paths["gguf"] = write_imatrix(d / "imatrix.gguf", values)
-    paths["dat"] = write_imatrix(d / "imatrix.dat", values, fmt="dat")
-    return paths
+    return _ladder(tmp_path_factory.mktemp("imatrix-dense"), DENSE, 4)
 
 
 def _floats(path: Path, name: str) -> np.ndarray:

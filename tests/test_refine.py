@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import mosaic
 from mosaic._eval.run import EvalRequest, evaluate
 from mosaic.cli.commands import main
 from mosaic.testing.gguf import Geometry, imatrix_targets, imatrix_values, write_imatrix, write_llama_gguf
-from tests.conftest import needs_runtime, run_cli
+from tests.conftest import build_versions, needs_runtime, run_cli
 
 GEO = Geometry(n_layer=2)
 ROWS = "the model of a mosaic\nbytes and the bytes of a model\nthe mosaic is a model of bytes and bytes\n"
@@ -120,23 +119,9 @@ def test_a_move_is_what_mosaic_eval_gives_for_that_very_mosaic(models: dict[str,
     rd = refined["refinement"]["rounds"][0]
     mv = max(rd["moves"], key=lambda m: abs(m["dkl"]))
     files = {"q5": models["Q5_0"], "q8": models["Q8_0"]}
-
-    def build(name: str, versions: dict[str, str]) -> Path:
-        take: dict[str, list[str]] = {}
-        for key, d in versions.items():
-            layer, group = key.split("/")
-            if d != "base":
-                take.setdefault(d, []).append(f"{group}.weight" if layer == "null" else f"blk.{layer}.{group}.weight")
-        text = f"name: {name}\nbase:\n  path: {models['Q4_0']}\ndonors:\n" + "".join(f"  {d}:\n    path: {files[d]}\n" for d in take)
-        text += "replace:\n" + "".join(f"  - from: {d}\n    keys: [{', '.join(ks)}]\n" for d, ks in take.items())
-        (tmp_path / f"{name}.yaml").write_text(text)
-        out = tmp_path / name
-        mosaic.build(tmp_path / f"{name}.yaml", out=out)
-        return out / f"{name}.gguf"
-
     key = f"{'null' if mv['layer'] is None else mv['layer']}/{mv['group']}"
-    planned = build("planned", rd["versions"])
-    moved = build("moved", {**rd["versions"], key: mv["to"]})
+    planned = build_versions(models["Q4_0"], files, rd["versions"], tmp_path / "planned")
+    moved = build_versions(models["Q4_0"], files, {**rd["versions"], key: mv["to"]}, tmp_path / "moved")
     ev = evaluate(EvalRequest([str(planned), str(moved)], str(models["saved"]), models["rows"]))
     p, c = ev["candidates"]
     assert rd["kl"] == pytest.approx(p["kl"]["mean"], abs=1e-6)
