@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO   := demo
 
-.PHONY: install runtime demo test lint bench fuzz clean release
+.PHONY: install runtime demo test lint bench imatrix fuzz clean release
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,36 +40,62 @@ test: $(STAMP) $(RUNTIME)
 lint: $(STAMP)
 	$(BIN)/ruff check mosaic tests bench
 
-# `make bench PERPLEXITY=1` also builds llama-perplexity (not on PyPI) from the llama.cpp source inside the
-# llama-cpp-python sdist, once, CPU-only, and races mosaic eval against it: one build with the flags of the
-# runtime's own llama.cpp (cyllama: a generic x86-64, OpenMP), one for this CPU (-march=native).
+# llama.cpp's own tools (not on PyPI), built once from the llama.cpp source inside the llama-cpp-python sdist,
+# CPU-only, outside the project (~/.cache/mosaic/llama.cpp), with the flags of the runtime's own llama.cpp
+# (a generic x86-64, OpenMP): llama-imatrix and llama-quantize make the importance matrix and the quantizations
+# people publish (the measure case), llama-perplexity is what mosaic eval races. `make bench PERPLEXITY=1` also
+# builds a -march=native llama-perplexity, and llama-cpp-python compiled from the same sdist into a folder of its
+# own (not .venv, whose prebuilt wheel `make test` keeps): the eval case then runs on both bindings, and "the same
+# build" is that tree's own llama-perplexity.
 LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
-PERPLEXITY_DIR  := $(HOME)/.cache/mosaic/llama-perplexity
-PERPLEXITY_BIN  := $(PERPLEXITY_DIR)/llama-perplexity
-PERPLEXITY_NATIVE_BIN := $(PERPLEXITY_DIR)/llama-perplexity-native
-PERPLEXITY_FLAGS := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF \
+LLAMA_DIR := $(HOME)/.cache/mosaic/llama.cpp
+LLAMA_SRC := $(LLAMA_DIR)/src/.unpacked
+LLAMA_BIN := $(LLAMA_DIR)/build/bin
+LLAMA_TOOLS := $(LLAMA_BIN)/llama-imatrix $(LLAMA_BIN)/llama-quantize $(LLAMA_BIN)/llama-perplexity
+PERPLEXITY_NATIVE_BIN := $(LLAMA_DIR)/build-native/bin/llama-perplexity
+LLAMA_CPP_PYTHON := $(LLAMA_DIR)/llama-cpp-python
+LLAMA_CPP_PYTHON_STAMP := $(LLAMA_CPP_PYTHON)/.installed
+LLAMA_FLAGS := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON
 
-$(PERPLEXITY_DIR)/src/.unpacked: $(STAMP)
-	rm -rf $(PERPLEXITY_DIR)/src && mkdir -p $(PERPLEXITY_DIR)/src
-	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(PERPLEXITY_DIR)/src '$(LLAMA_CPP_SDIST)'
-	tar -xzf $(PERPLEXITY_DIR)/src/*.tar.gz -C $(PERPLEXITY_DIR)/src
+$(LLAMA_SRC): $(STAMP)
+	rm -rf $(LLAMA_DIR)/src && mkdir -p $(LLAMA_DIR)/src
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(LLAMA_DIR)/src '$(LLAMA_CPP_SDIST)'
+	tar -xzf $(LLAMA_DIR)/src/*.tar.gz -C $(LLAMA_DIR)/src
 	touch $@
 
-$(PERPLEXITY_BIN): $(PERPLEXITY_DIR)/src/.unpacked
-	cmake -S $(PERPLEXITY_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(PERPLEXITY_DIR)/build $(PERPLEXITY_FLAGS) \
+$(LLAMA_TOOLS) &: $(LLAMA_SRC)
+	cmake -S $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_DIR)/build $(LLAMA_FLAGS) \
 		-DGGML_NATIVE=OFF -DGGML_OPENMP=ON >/dev/null
-	cmake --build $(PERPLEXITY_DIR)/build --target llama-perplexity -j $$(nproc) >/dev/null
-	cp $(PERPLEXITY_DIR)/build/bin/llama-perplexity $@
+	cmake --build $(LLAMA_DIR)/build --target llama-imatrix llama-quantize llama-perplexity -j $$(nproc) >/dev/null
 
-$(PERPLEXITY_NATIVE_BIN): $(PERPLEXITY_DIR)/src/.unpacked
-	cmake -S $(PERPLEXITY_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(PERPLEXITY_DIR)/build-native $(PERPLEXITY_FLAGS) \
+$(PERPLEXITY_NATIVE_BIN): $(LLAMA_SRC)
+	cmake -S $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_DIR)/build-native $(LLAMA_FLAGS) \
 		-DGGML_NATIVE=ON -DGGML_OPENMP=ON >/dev/null
-	cmake --build $(PERPLEXITY_DIR)/build-native --target llama-perplexity -j $$(nproc) >/dev/null
-	cp $(PERPLEXITY_DIR)/build-native/bin/llama-perplexity $@
+	cmake --build $(LLAMA_DIR)/build-native --target llama-perplexity -j $$(nproc) >/dev/null
 
-bench: $(STAMP) $(RUNTIME) $(if $(PERPLEXITY),$(PERPLEXITY_BIN) $(PERPLEXITY_NATIVE_BIN))
-	$(if $(PERPLEXITY),MOSAIC_BENCH_PERPLEXITY=$(PERPLEXITY_BIN) MOSAIC_BENCH_PERPLEXITY_NATIVE=$(PERPLEXITY_NATIVE_BIN)) \
+# The binding's pure-Python needs go beside it, numpy excepted (the project's own stays the one imported).
+$(LLAMA_CPP_PYTHON_STAMP): $(LLAMA_SRC)
+	rm -rf $(LLAMA_CPP_PYTHON)
+	$(BIN)/python -m pip install --quiet --no-deps --target $(LLAMA_CPP_PYTHON) 'diskcache>=5.6.1' 'jinja2>=2.11.3' 'MarkupSafe>=2.0'
+	CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_OPENMP=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=ON' \
+		$(BIN)/python -m pip install --quiet --no-deps --target $(LLAMA_CPP_PYTHON) -C build-dir=$(LLAMA_DIR)/build-python \
+		$(LLAMA_DIR)/src/*.tar.gz
+	touch $@
+
+# SmolLM2-135M's importance matrix, both formats, as committed under tests/data (tests/data/README.md): made from
+# the tests' teacher on tests/data/calibration.txt, named by its relative path from here.
+IMATRIX := tests/data/SmolLM2-135M-Instruct.imatrix
+SMOLLM2_GGUF = $$($(BIN)/python -c 'from mosaic.testing.gguf import smollm2_gguf; print(smollm2_gguf())')
+
+imatrix: $(RUNTIME) $(LLAMA_TOOLS)
+	$(LLAMA_BIN)/llama-imatrix -m $(SMOLLM2_GGUF) -f tests/data/calibration.txt -c 128 -t 2 --no-ppl -o $(IMATRIX).gguf >/dev/null 2>&1
+	$(LLAMA_BIN)/llama-imatrix -m $(SMOLLM2_GGUF) --in-file $(IMATRIX).gguf --output-format dat -o $(IMATRIX).dat >/dev/null 2>&1
+
+bench: $(STAMP) $(RUNTIME) $(LLAMA_TOOLS) $(if $(PERPLEXITY),$(PERPLEXITY_NATIVE_BIN) $(LLAMA_CPP_PYTHON_STAMP))
+	MOSAIC_BENCH_LLAMA_BIN=$(LLAMA_BIN) MOSAIC_BENCH_PERPLEXITY=$(LLAMA_BIN)/llama-perplexity \
+	$(if $(PERPLEXITY),MOSAIC_BENCH_PERPLEXITY_NATIVE=$(PERPLEXITY_NATIVE_BIN) MOSAIC_BENCH_LLAMA_CPP_PYTHON=$(LLAMA_CPP_PYTHON) \
+		MOSAIC_BENCH_PERPLEXITY_PYTHON=$(LLAMA_DIR)/build-python/bin/llama-perplexity) \
 		$(BIN)/python bench/run.py
 
 fuzz: $(STAMP)

@@ -2,10 +2,11 @@
 
     python bench/decode_only.py TEACHER CANDIDATE TEXT CTX THREADS
 
-Loads both models in this process (the binding mosaic's worker uses), tokenizes each row of TEXT as
+Loads both models in this process (the binding mosaic's worker uses: ``MOSAIC_RUNTIME`` picks), tokenizes each row of TEXT as
 ``mosaic eval`` does, and decodes every window a batch at a time, the models in lock step, exactly the batches
 mosaic decodes. Prints one JSON line: the seconds spent inside ``llama_decode`` (the floor no caller of this
-binding can go under), the seconds the binding takes to hand the logits over (its per-position lists), and
+binding can go under), the seconds the binding takes to hand the logits over (cyllama's per-position lists, llama-cpp-python's one
+buffer), and
 the positions decoded. mosaic's overhead is its wall time over ``decode_s``.
 """
 
@@ -27,20 +28,25 @@ from mosaic._eval.scoring import windows  # noqa: E402
 
 
 class _Timed:
-    """A binding's context whose ``decode`` is timed; everything else passes through."""
+    """A binding's object whose decoding call (``name``: cyllama's context ``decode``, llama-cpp-python's module
+    ``llama_decode``) is timed; everything else passes through."""
 
-    def __init__(self, ctx: Any, clock: list[float]) -> None:
-        self._ctx, self._clock = ctx, clock
-
-    def decode(self, batch: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return self._ctx.decode(batch)
-        finally:
-            self._clock[0] += time.perf_counter() - t
+    def __init__(self, inner: Any, name: str, clock: list[float]) -> None:
+        self._inner, self._name, self._clock = inner, name, clock
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._ctx, name)
+        fn = getattr(self._inner, name)
+        if name != self._name:
+            return fn
+
+        def timed(*args: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self._clock[0] += time.perf_counter() - t
+
+        return timed
 
 
 def main(teacher: str, cand: str, text: str, ctx: int, threads: int) -> dict[str, float]:
@@ -49,10 +55,11 @@ def main(teacher: str, cand: str, text: str, ctx: int, threads: int) -> dict[str
     batch = batch_size(ctx, check.n_vocab or 1)
     clock = [0.0]
     models = [rt.load(Path(p), ctx=ctx, batch=batch) for p in (teacher, cand)]
-    for m in models:
-        if not hasattr(m, "_ctx"):
-            raise SystemExit("decode_only.py times the cyllama binding (MOSAIC_RUNTIME=cyllama)")
-        m._ctx = _Timed(m._ctx, clock)  # type: ignore[attr-defined]
+    for m in models:  # the binding's own call into llama_decode, timed
+        if rt.info.name == "cyllama":
+            m._ctx = _Timed(m._ctx, "decode", clock)  # type: ignore[attr-defined]
+        else:
+            m._lc = _Timed(m._lc, "llama_decode", clock)  # type: ignore[attr-defined]
     rows = load_rows(Path(text))
     total = 0.0
     positions = 0

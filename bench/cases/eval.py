@@ -44,81 +44,117 @@ _PANEL_HERE = ("import sys; import mosaic._eval.run as r; r._remote = lambda b: 
                "from mosaic.cli.commands import main; main(sys.argv[1:])")
 
 
+def bindings() -> dict[str, dict[str, str]]:
+    """The llama.cpp bindings to race, each with the environment that picks it: cyllama (the prebuilt wheel of
+    the ``runtime`` extra) and llama-cpp-python where it is installed or built by ``make bench PERPLEXITY=1``
+    (``MOSAIC_BENCH_LLAMA_CPP_PYTHON``: the folder it was installed into)."""
+    from mosaic._eval.runtime import available
+
+    out = {"cyllama": {**COLD, "MOSAIC_RUNTIME": "cyllama"}}
+    folder = os.environ.get("MOSAIC_BENCH_LLAMA_CPP_PYTHON")
+    if folder:
+        out["llama-cpp-python"] = {**COLD, "MOSAIC_RUNTIME": "llama-cpp-python",
+                                   "PYTHONPATH": os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)}
+    elif "llama-cpp-python" in available():
+        out["llama-cpp-python"] = {**COLD, "MOSAIC_RUNTIME": "llama-cpp-python"}
+    return out
+
+
 def case_eval(runs: int, ctx: int) -> None:
     """``mosaic eval`` against the runtime's own decoding and ``llama-perplexity --kl-divergence`` on the same
-    models, text and windows: seconds (each runs both models once over the text), peak memory of the whole
-    process tree. llama-perplexity is not on PyPI: give its binary as ``MOSAIC_BENCH_PERPLEXITY`` (``make bench
-    PERPLEXITY=1`` builds it from the llama.cpp source in the llama-cpp-python sdist; ``MOSAIC_BENCH_PERPLEXITY_NATIVE``
-    a second, ``-march=native`` build); without it only mosaic's rows and the runtime's floor are printed."""
+    models, text and windows, on each binding (:func:`bindings`): seconds (each runs both models once over the
+    text), peak memory of the whole process tree. llama-perplexity is not on PyPI: ``make bench`` builds it
+    from the llama.cpp source in the llama-cpp-python sdist with cyllama's flags (``MOSAIC_BENCH_PERPLEXITY``),
+    and with ``PERPLEXITY=1`` a ``-march=native`` one (``MOSAIC_BENCH_PERPLEXITY_NATIVE``) and the compiled
+    binding's own (``MOSAIC_BENCH_PERPLEXITY_PYTHON``: the same build as llama-cpp-python's llama.cpp); without
+    them only mosaic's rows and the runtime's floor are printed."""
+    what, teacher, cand, text = eval_models()
+    threads = str(len(os.sched_getaffinity(0)))
+    same_build = {"cyllama": os.environ.get("MOSAIC_BENCH_PERPLEXITY"),
+                  "llama-cpp-python": os.environ.get("MOSAIC_BENCH_PERPLEXITY_PYTHON")}
+    native = os.environ.get("MOSAIC_BENCH_PERPLEXITY_NATIVE")
+    saved = None
+    for name, env in bindings().items():
+        perplexities = {"llama-perplexity, the same build": same_build.get(name), "llama-perplexity, native": native}
+        saved = _eval_on(name, env, runs, ctx, what, teacher, cand, text, threads,
+                         {k: v for k, v in perplexities.items() if v})
+    assert saved is not None
+    case_measure_cost(ctx, teacher, cand, text, saved)
+
+
+def _eval_on(binding: str, env: dict[str, str], runs: int, ctx: int, what: str, teacher: Path, cand: Path, text: Path,
+             threads: str, perplexities: dict[str, str]) -> Path:
+    """One binding's rows of the eval case; the goals (ratios) are the runtime issue's, held on every binding."""
     import re
 
-    what, teacher, cand, text = eval_models()
-    saved = DATA / "eval-teacher.npz"
-    threads = str(len(os.sched_getaffinity(0)))
+    saved = DATA / f"eval-teacher-{binding}.npz"
     live = [*MOSAIC, "eval", str(cand), "--reference", str(teacher), "--text", str(text), "--ctx", str(ctx), "--json"]
     save = [*MOSAIC, "eval", "--reference", str(teacher), "--text", str(text), "--ctx", str(ctx), "--save-reference", str(saved), "--json"]
     scored = [*MOSAIC, "eval", str(cand), "--reference", str(saved), "--text", str(text), "--json"]
     here = [sys.executable, "-c", _PANEL_HERE, *live[3:]]
-    doc = json.loads(subprocess.run(live, check=True, capture_output=True, text=True).stdout)
+    doc = json.loads(subprocess.run(live, check=True, capture_output=True, text=True, env=env).stdout)
     tokens = doc["tokens"]
     floor: list[dict] = []
     decode_only = [sys.executable, str(ROOT / "bench" / "decode_only.py"), str(teacher), str(cand), str(text), str(ctx), threads]
+    ref = "llama.cpp decode only (same binding, batches, threads)"
     contenders: dict[str, tuple[Callable[[], None], Callable[[], None] | None]] = {
-        "mosaic eval (live teacher)": (lambda: sh(live), None),
-        "mosaic eval, panel in mosaic's process, logits over the pipe": (lambda: sh(here), None),
-        "mosaic eval --save-reference, then against it": (lambda: (sh(save), sh(scored)), None),  # type: ignore[dict-item]
-        "llama.cpp decode only (same binding, batches, threads)": (
-            lambda: floor.append(json.loads(subprocess.run(decode_only, check=True, capture_output=True, text=True).stdout)), None),
+        "mosaic eval (live teacher)": (lambda: sh(live, env=env), None),
+        "mosaic eval, panel in mosaic's process, logits over the pipe": (lambda: sh(here, env=env), None),
+        "mosaic eval --save-reference, then against it": (lambda: (sh(save, env=env), sh(scored, env=env)), None),  # type: ignore[dict-item]
+        ref: (lambda: floor.append(json.loads(subprocess.run(decode_only, check=True, capture_output=True, text=True,
+                                                             env=env).stdout)), None),
     }
-    from mosaic._eval.runtime import available
-
-    if "llama-cpp-python" in available():  # the same eval on the other binding: what the runtime costs
-        other = {**COLD, "MOSAIC_RUNTIME": "llama-cpp-python"}
-        contenders["mosaic eval (live teacher), on llama-cpp-python"] = (lambda: sh(live, env=other), None)
     base_kld = DATA / "eval-base.kld"
-    perplexities = {name: os.environ.get(var) for name, var in (("llama-perplexity", "MOSAIC_BENCH_PERPLEXITY"),
-                                                                ("llama-perplexity, native", "MOSAIC_BENCH_PERPLEXITY_NATIVE"))}
     lp: dict[str, tuple[list[str], list[str]]] = {}
     for name, ppl in perplexities.items():
-        if not ppl:
-            continue
         lp[name] = ([ppl, "-m", str(teacher), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,
                      "--kl-divergence-base", str(base_kld)],
                     [ppl, "-m", str(cand), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,
                      "--kl-divergence-base", str(base_kld), "--kl-divergence"])
         contenders[f"{name} (base pass, then --kl-divergence)"] = (
             lambda b=lp[name][0], k=lp[name][1]: (sh(b), sh(k)), None)  # type: ignore[misc]
-    case = f"eval: {what}, {tokens:,} tokens, ctx {ctx}, {threads} threads"
-    ref = "llama.cpp decode only (same binding, batches, threads)"
+    runtime = doc["runtime"]
+    case = (f"eval on {binding} {runtime['version']} (llama.cpp {runtime['llama_cpp']}): {what}, {tokens:,} tokens, "
+            f"ctx {ctx}, {threads} threads")
     med = race(case, contenders, runs, ref)
     decode_s = statistics.median(f["decode_s"] for f in floor)
     handover_s = statistics.median(f["handover_s"] for f in floor)
     row(case, "llama.cpp decode only: inside llama_decode", f"{decode_s:.2f} s", "1.00 (the floor)")
-    row(case, "llama.cpp decode only: the binding's logits handed over as lists", f"{handover_s:.2f} s",
+    row(case, "llama.cpp decode only: the binding handing the logits over", f"{handover_s:.2f} s",
         f"{handover_s / decode_s:.2f} × decode")
-    row(case, "mosaic eval (live teacher) / decode inside llama.cpp", f"{med['mosaic eval (live teacher)'] / decode_s:.2f}",
-        "goal ≤ 1.1")
+    mine = med["mosaic eval (live teacher)"]
+    row(case, "mosaic eval (live teacher) / decode inside llama.cpp", f"{mine / decode_s:.2f}", "goal ≤ 1.1")
     for name in lp:
         key = f"{name} (base pass, then --kl-divergence)"
-        row(case, f"mosaic eval (live teacher) / {name}", f"{med['mosaic eval (live teacher)'] / med[key]:.2f}",
-            "goal ≤ 1.2" if name == "llama-perplexity" else "")
-    rss = {"mosaic eval (live teacher)": tree_peak_rss_mib(live),
-           "mosaic eval --save-reference (one model)": tree_peak_rss_mib(save),
-           "mosaic eval against the saved reference (one model)": tree_peak_rss_mib(scored)}
+        row(case, f"mosaic eval (live teacher) / {name}", f"{mine / med[key]:.2f}",
+            "goal ≤ 1.2" if name.endswith("the same build") else "")
+    rss = {"mosaic eval (live teacher, two models)": tree_peak_rss_mib(live, env),
+           "mosaic eval --save-reference (one model)": tree_peak_rss_mib(save, env),
+           "mosaic eval against the saved reference (one model)": tree_peak_rss_mib(scored, env)}
+    same = next((n for n in lp if n.endswith("the same build")), None)
     for name, (b, k) in lp.items():
         rss[f"{name} base pass (one model)"] = tree_peak_rss_mib(b)
         rss[f"{name} --kl-divergence (one model)"] = tree_peak_rss_mib(k)
-        if name == "llama-perplexity":
+        if name == same:
             out = subprocess.run(k, check=True, capture_output=True, text=True)
             m = re.search(r"Mean\s+KLD:\s+([0-9.]+)", out.stdout + out.stderr)
-            row(case, "llama-perplexity mean KLD (second half of each window)", m.group(1) if m else "?", "")
+            row(case, f"{name}: mean KLD (second half of each window)", m.group(1) if m else "?", "")
     row(case, "mosaic mean KL (every position)", f"{doc['candidates'][0]['kl']['mean']:.4f}", "")
-    one = rss.get("llama-perplexity --kl-divergence (one model)")
+    one = rss.get(f"{same} --kl-divergence (one model)") if same else None
+    both = (rss[f"{same} base pass (one model)"] + one) if same and one else None
     for name, mib in rss.items():
-        row(case, f"peak RSS, process tree: {name}", f"{mib:.0f} MiB",
-            f"{mib / one:.2f} × llama-perplexity's (one model)" if one else "")
+        if not one:
+            row(case, f"peak RSS, process tree: {name}", f"{mib:.0f} MiB", "")
+        elif name.startswith("mosaic eval (live"):
+            row(case, f"peak RSS, process tree: {name}", f"{mib:.0f} MiB",
+                f"{mib / both:.2f} × both llama-perplexity passes' (goal ≤ 1.2)")
+        elif name.startswith("mosaic"):
+            row(case, f"peak RSS, process tree: {name}", f"{mib:.0f} MiB",
+                f"{mib / one:.2f} × llama-perplexity --kl-divergence's (goal ≤ 1.2)")
+        else:
+            row(case, f"peak RSS, process tree: {name}", f"{mib:.0f} MiB", f"{mib / one:.2f}")
     base_kld.unlink(missing_ok=True)
-    case_measure_cost(ctx, teacher, cand, text, saved)
+    return saved
 
 
 def case_measure_cost(ctx: int, teacher: Path, cand: Path, text: Path, saved: Path) -> None:
@@ -133,9 +169,11 @@ def case_measure_cost(ctx: int, teacher: Path, cand: Path, text: Path, saved: Pa
     measure = [*MOSAIC, "measure", "--base", str(cand), "--donor", f"q8={q8}", "--reference", str(saved), "--text",
                str(text), "--unit", "layer", "--only-layers", "0-3", "--method", "swaps", "--out", str(out), "--force", "--json"]
     scored = [*MOSAIC, "eval", str(cand), "--reference", str(saved), "--text", str(text), "--json"]
-    doc = json.loads(subprocess.run(measure, check=True, capture_output=True, text=True, env=COLD).stdout)
-    evals = [timed(lambda: sh(scored)) for _ in range(3)]
-    case = f"measure: seconds per candidate (SmolLM2 Q2_K + one layer of Q8_0, {len(doc['results'])} candidates)"
+    env = list(bindings().values())[-1]  # the last binding raced: the one saved's teacher ran on
+    doc = json.loads(subprocess.run(measure, check=True, capture_output=True, text=True, env=env).stdout)
+    evals = [timed(lambda: sh(scored, env=env)) for _ in range(3)]
+    case = (f"measure: seconds per candidate on {doc['runtime']['name']} (SmolLM2 Q2_K + one layer of Q8_0, "
+            f"{len(doc['results'])} candidates)")
     per = doc["seconds_per_candidate"]
     row(case, "mosaic measure: seconds per candidate", f"{per:.2f} s", f"{per / statistics.median(evals):.2f} × one eval")
     row(case, "mosaic eval of one model against the saved reference", f"{statistics.median(evals):.2f} s", "1.00 (goal: measure ≤ 1.1 ×)")
