@@ -57,8 +57,9 @@ def main() -> int:
     ap.add_argument("--eval-ctx", type=int, default=512, help="window of the eval case")
     ap.add_argument("--measure-ctx", type=int, default=128, help="window of the measure case")
     ap.add_argument("--measure-rows", type=int, default=8, help="rows of tests/data/paragraphs.txt the measure case measures on")
-    ap.add_argument("--measure-methods", default="top-down,weights,swaps",
-                    help="the measure case's methods (swaps runs ~700 candidates: about half an hour here)")
+    ap.add_argument("--measure-methods", default="default,two-point,refine,kinds,weights",
+                    help="words picking the measure case's methods (bench/cases/measure.py: METHODS): a method runs when "
+                         "its label holds one (--refine measures again at each rival's size: about 425 forward passes each)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     DATA.mkdir(parents=True, exist_ok=True)

