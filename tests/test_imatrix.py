@@ -22,6 +22,7 @@ from mosaic.cli.commands import main
 from mosaic.testing.exl3 import Geometry as Exl3Geometry
 from mosaic.testing.gguf import Geometry, imatrix_targets, imatrix_values, write_imatrix, write_llama_gguf
 from tests.conftest import needs_runtime
+from tests.test_hub import hub  # noqa: F401  (the fake hub fixture)
 
 DATA = Path(__file__).parent / "data"
 SMOL_IMATRIX = {"gguf": DATA / "SmolLM2-135M-Instruct.imatrix.gguf", "dat": DATA / "SmolLM2-135M-Instruct.imatrix.dat"}
@@ -304,3 +305,28 @@ def test_iq_donors_are_measured_planned_built_and_loaded(iq: dict[str, Path]) ->
     ev = mosaic.evaluate([iq["Q2_K"], built.out], reference=iq["teacher"], text=rows_txt, ctx=32)
     base_kl, mosaic_kl = (c["kl"]["mean"] for c in ev.candidates)
     assert 0 < mosaic_kl < base_kl
+
+
+# ------------------------------------------------------------------------------------- from the hub
+
+
+def test_a_pinned_hub_imatrix_is_fetched_verified_and_weighs_as_the_local_one(dense: dict[str, Path], hub,  # noqa: F811
+                                                                              tmp_path: Path) -> None:
+    """``--imatrix ORG/NAME@COMMIT:FILE``: downloaded into the cache when not there, checked against the hub's
+    digest (a file that differs is refused and removed), then the same figures as the local file."""
+    from mosaic._base.errors import VerificationError
+
+    local = _weights(dense, tmp_path / "local.json", dense["gguf"])
+    rev = hub.commit("test-org/tiny-imatrix", {"imatrix.gguf": dense["gguf"].read_bytes(), "README.md": b"# an imatrix\n"})
+    got = _weights(dense, tmp_path / "hub.json", f"test-org/tiny-imatrix@{rev}:imatrix.gguf")
+    assert got["settings"]["imatrix"] == local["settings"]["imatrix"]
+    assert [r["eps"] for r in got["results"]] == [r["eps"] for r in local["results"]]
+    assert "imatrix.gguf" in {p.name for p in (hub.home / "hub").rglob("imatrix.gguf")}  # type: ignore[attr-defined]
+    with pytest.raises(mosaic.MosaicError, match="no file"):
+        _weights(dense, tmp_path / "x.json", f"test-org/tiny-imatrix@{rev}:absent.gguf")
+    # the hub claims another digest: refused (exit 1), nothing written, the download removed
+    rev2 = hub.commit("test-org/other-imatrix", {"imatrix.gguf": dense["gguf"].read_bytes()})
+    hub.tamper[("test-org/other-imatrix", "imatrix.gguf")] = "0" * 64
+    with pytest.raises(VerificationError, match="differ from the hub's digests"):
+        _weights(dense, tmp_path / "y.json", f"test-org/other-imatrix@{rev2}:imatrix.gguf")
+    assert not (tmp_path / "y.json").exists()
