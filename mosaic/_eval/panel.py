@@ -70,14 +70,13 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def kl_exact(teacher: LogProbs, cand: LogProbs) -> np.ndarray:
-    """Σ p (log p − log q) per position. With p = exp(lp_t − rest_t), the rests are constants of a position:
-    Σ p (lp_t − lp_c) is formed in float32 products and float64 sums, then the rests are applied once."""
-    e = np.exp(teacher.lp)  # = p × exp(rest_t)
+    """Σ p (log p − log q) per position. The teacher's p is ``e / total`` (its exponentials, already at hand, over
+    their float64 sum, which is 1 × total exactly), and log p − log q is ``(lp_t − rest_t) − (lp_c − rest_c)``:
+    Σ e (lp_t − lp_c) is formed in float32 products and a float64 sum, divided by the total, and the rests are
+    applied once. No second exponential over the vocabulary."""
     d = teacher.lp - cand.lp
-    d *= e
-    head = d.sum(axis=-1, dtype=np.float64)
-    mass = e.sum(axis=-1, dtype=np.float64)
-    kl = np.exp(-teacher.rest) * (head - (teacher.rest - cand.rest) * mass)
+    d *= teacher.e
+    kl = d.sum(axis=-1, dtype=np.float64) / teacher.total - (teacher.rest - cand.rest)
     return np.maximum(kl, 0.0)
 
 

@@ -83,10 +83,12 @@ def score(job: Job, live: Decoder | None, cands: Sequence[Decoder], advance: Cal
                     t_lp: LogProbs | None = None
                     if live is not None:
                         t_lp = log_probs(pieces[0][a:b])
-                        ids, lps = top_k(t_lp, job.k)
                         if job.keep:
+                            ids, lps = top_k(t_lp, job.k)
                             out.kept_ids.append(ids)
                             out.kept_lp.append(lps)
+                        else:  # only the teacher's top-1 is scored: the first maximum is top_k's first, ties included
+                            ids = t_lp.logits.argmax(axis=-1)[:, None]
                         cand_pieces = pieces[1:]
                     else:
                         assert job.saved_ids is not None and job.saved_lp is not None
