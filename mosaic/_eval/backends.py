@@ -98,13 +98,22 @@ def identity_difference(got: dict, want: dict) -> str | None:
     return None
 
 
+def _tokens_digest(tokens: object) -> str:
+    """SHA-256 of a token list, each token length-prefixed (the file's own strings, as the strict reader read them)."""
+    h = hashlib.sha256()
+    for tok in tokens if isinstance(tokens, list) else ():
+        b = str(tok).encode("utf-8", "surrogatepass")
+        h.update(len(b).to_bytes(4, "little") + b)
+    return h.hexdigest()
+
+
 class GGUFBackend:
     """A GGUF model on a llama.cpp runtime; checked strictly first (:func:`check_gguf`)."""
 
     def __init__(self, check: GGUFCheck, name: str, runtime: Runtime, ctx: int, batch: int) -> None:
         self.name = name
         self.path = check.first
-        self._tokens = check.model.first.value("tokenizer.ggml.tokens")
+        self._tokens_sha256 = _tokens_digest(check.model.first.value("tokenizer.ggml.tokens"))  # not the list: memory
         self._model: LoadedModel = runtime.load(check.first, ctx=ctx, batch=batch)
         self.n_vocab = self._model.n_vocab
         self.batch = batch
@@ -120,12 +129,8 @@ class GGUFBackend:
     def tokenizer_identity(self) -> dict:
         """From the file's own token list (the strict reader's), not from a runtime's rendering of each token:
         two runtimes render the bytes of a partial UTF-8 token differently."""
-        h = hashlib.sha256()
-        for tok in self._tokens if isinstance(self._tokens, list) else ():
-            b = str(tok).encode("utf-8", "surrogatepass")
-            h.update(len(b).to_bytes(4, "little") + b)
         return {"n_vocab": self.n_vocab, "model": self._model.meta("tokenizer.ggml.model"),
-                "pre": self._model.meta("tokenizer.ggml.pre"), "tokens_sha256": h.hexdigest()}
+                "pre": self._model.meta("tokenizer.ggml.pre"), "tokens_sha256": self._tokens_sha256}
 
     def window(self, tokens: list[int]) -> Iterator[np.ndarray]:
         """Logits of ``tokens``' positions, ``batch`` at a time; each array is valid until the next one."""

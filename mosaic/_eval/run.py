@@ -170,6 +170,7 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
             stack.callback(b.close)
             _check_tokens(b, teacher, rows)
             cands.append(b)
+        checks.clear()  # every header parsed (token lists, merges: megabytes) is done with once the models are open
         used = get_runtime(req.runtime, threads=req.threads, verbose=req.verbose, gpu_layers=req.gpu_layers).info if any(
             isinstance(b, GGUFBackend) for b in [*cands, *([teacher.live] if teacher.live else [])]) else None
         scores, kept = _score(teacher, cands, ctx, progress, len(rows.texts), keep=req.save_reference is not None)
