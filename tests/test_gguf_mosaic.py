@@ -436,7 +436,7 @@ def test_plan_layer_experts_on_moe_and_refusals(tmp_path: Path, models: Path) ->
     assert r.exit_code == 2 and "no layer has routed experts" in r.output and "--unit layer" in r.output
     r = CliRunner().invoke(main, ["plan", "--base", str(models / "base/tiny-Q4_0.gguf"), "--donor", f"q8={models / 'q8'}",
                                   "--scores", str(scores), "--unit", "layer", "--max-size", "1000"])
-    assert r.exit_code == 2 and "too small for any unit" in r.output
+    assert r.exit_code == 2 and "no plan is that small" in r.output and "114,432 bytes" in r.output
 
 
 def test_output_beside_the_sources_is_fine_but_never_over_them(tmp_path: Path, models: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -29,11 +30,14 @@ from mosaic._formats.gguf_container import align, layout
 from mosaic._plan.measurement import measurement_in
 from mosaic._plan.planner import recipe_lock
 from mosaic._plan.scores import ScoresError, read_scores_file
-from mosaic._plan.solver import Option, Solution, choose_count, greedy, solve_pareto
+from mosaic._plan.solver import Option, Solution, choose_count, greedy, shift, solve_pareto
 from mosaic._plan.units import PlanError
 from mosaic._recipe.document import Recipe, SourceSpec, component_match, layer_runs, parse_recipe
 from mosaic._recipe.gguf_rules import GROUPS, module_patterns
 from mosaic._sources.gguf import gguf_source, is_gguf_src, open_gguf_source
+
+#: The base's own version of a unit: the option every unit has, at cost 0 and score 0.
+BASE = "base"
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,9 @@ def _per_layer_choice(r: object, base: GGUFModel, base_spec: SourceSpec, hub: di
     delta = {(u.index, did): sum(align(dt[n].nbytes, a) - align(bt[n].nbytes, a) for n in u.tensors) for u in gunits}
     bits = {(u.index, did): 8 * sum(dt[n].nbytes - bt[n].nbytes for n in u.tensors) for u in gunits}
     by_target = r.target_rate is not None  # type: ignore[attr-defined]
-    options = [[Option(u.index, 0, did, bits[(u.index, did)] if by_target else delta[(u.index, did)], scores[(u.index, did)])]
-               if (u.index, did) in scores else [] for u in gunits]
+    options = [[Option(u.index, -1, BASE, 0, Fraction(0))]
+               + ([Option(u.index, 0, did, bits[(u.index, did)] if by_target else delta[(u.index, did)], scores[(u.index, did)])]
+                  if (u.index, did) in scores else []) for u in gunits]
     units = [(u.layer, u.pattern, u.tensors) for u in gunits]
     return _Choice(units, options, delta, bits, {}, [(did, donor_spec, donor)], r.unit), notes  # type: ignore[attr-defined]
 
@@ -182,7 +187,7 @@ def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpe
     rank = {did: i for i, (did, _, _) in enumerate(donors)}
     models = {did: m for did, _, m in donors}
     by_target = r.target_rate is not None  # type: ignore[attr-defined]
-    options: list[list[Option]] = [[] for _ in units]
+    options: list[list[Option]] = [[Option(ui, -1, BASE, 0, Fraction(0))] for ui in range(len(units))]
     delta: dict[tuple[int, str], int] = {}
     bits: dict[tuple[int, str], int] = {}
     predicted: dict[tuple[int, str], float] = {}
@@ -201,9 +206,9 @@ def _measured_choice(r: object, doc: dict, base: GGUFModel, base_spec: SourceSpe
         bt, dt = base.by_name(), models[did].by_name()
         bits[(ui, did)] = 8 * sum(dt[n].nbytes - bt[n].nbytes for n in u.tensors)
         predicted[(ui, did)] = res["dkl"]
+        # every version is a choice, one of fewer bytes than the base's included (a loss: its dkl is positive)
         gain = -Fraction(Decimal(repr(res["dkl"])))
-        if gain > 0:
-            options[ui].append(Option(ui, rank[did], did, bits[(ui, did)] if by_target else d, gain))
+        options[ui].append(Option(ui, rank[did], did, bits[(ui, did)] if by_target else d, gain))
     for opts in options:
         opts.sort(key=lambda o: o.rank)
     return _Choice([(u.layer, u.group, u.tensors) for u in units], options, delta, bits, predicted, donors, kind), notes
@@ -225,6 +230,31 @@ def _rules(choice: _Choice, picks: list[Option]) -> list[dict[str, object]]:
             rule["modules"] = ["ffn_exps"]
         rules.append(rule)
     return rules
+
+
+def _both_ways(options: list[list[Option]], room: int, asked: str, smallest: Callable[[int], str]) -> tuple[Solution, Solution]:
+    """The exact and the greedy choice of every unit's version within ``room`` (bytes or bits over the base),
+    versions of fewer bytes than the base's included: solved relative to each unit's cheapest version, where
+    every option costs ≥ 0 (:func:`mosaic._plan.solver.shift`). ``room`` below what the cheapest versions
+    together save is refused, naming the smallest plan there is."""
+    sh = shift(options)
+    if room < sh.floor_cost:
+        raise PlanError(f"{asked}: no plan is that small; the smallest possible (every unit at its version of fewest "
+                        f"bytes) is {smallest(sh.floor_cost)}")
+    exact = solve_pareto(sh.rows, room - sh.floor_cost)
+    assert exact is not None  # the floors alone fit
+
+    def cost(picks: list[Option]) -> int:
+        return sh.floor_cost + sum(o.cost for o in picks)
+
+    rough = greedy(sh.rows, lambda picks: cost(picks) <= room)
+    return _unshifted(sh.unshift(exact)), _unshifted(sh.unshift(rough))
+
+
+def _unshifted(versions: list[Option]) -> Solution:
+    """A solution in the original space: the units away from the base's version, with their own costs and scores."""
+    picks = [o for o in versions if o.donor != BASE]
+    return Solution(picks, sum((o.score for o in picks), Fraction(0)), (tuple(o.unit for o in picks), tuple(o.rank for o in picks)))
 
 
 def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
@@ -262,28 +292,28 @@ def _plan_gguf_mosaic(r: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     if r.layers is not None:  # type: ignore[attr-defined]
         if r.layers < 1:  # type: ignore[attr-defined]
             raise MosaicError("--layers must be at least 1")
-        best: Solution | None = choose_count(options, r.layers)  # type: ignore[attr-defined]
-        greedy_sol = greedy(options, lambda picks: True, count=r.layers)  # type: ignore[attr-defined]
+        moves = [[o for o in row if o.donor != BASE] for row in options]  # N units away from the base's version
+        best: Solution = choose_count(moves, r.layers)  # type: ignore[attr-defined]
+        greedy_sol = greedy(moves, lambda picks: True, count=r.layers)  # type: ignore[attr-defined]
     elif r.target_rate is not None:  # type: ignore[attr-defined]
         try:
             target = Fraction(Decimal(r.target_rate))  # type: ignore[attr-defined]
         except (InvalidOperation, ValueError):
             raise MosaicError(f"--target-rate: {r.target_rate!r} is not a number") from None  # type: ignore[attr-defined]
         room = int((target * weights - 8 * sum(t.nbytes for t in base.tensors)) // 1)
-        best = solve_pareto(options, room)
-        greedy_sol = greedy(options, lambda picks: sum(o.cost for o in picks) <= room)
-        if best is None or not best.picks:
-            raise PlanError(f"--target-rate {r.target_rate}: no unit fits")  # type: ignore[attr-defined]
+        best, greedy_sol = _both_ways(options, room, f"--target-rate {r.target_rate}", lambda c: (  # type: ignore[attr-defined]
+            f"{float(Fraction(8 * sum(t.nbytes for t in base.tensors) + c, weights)):.4f} bits per weight"))
     else:
         limit = r.max_size  # type: ignore[attr-defined]
-        best = solve_pareto(options, limit - base_size)
-        greedy_sol = greedy(options, lambda picks: size(picks) <= limit)
-        if best is None or not best.picks:
-            smallest = min((base_size + o.cost for opts in options for o in opts), default=base_size)
-            raise PlanError(f"--max-size {limit:,} bytes: too small for any unit; the base alone is {base_size:,} bytes "
-                            f"and the smallest mosaic (one unit) is {smallest:,} bytes")
-    assert best is not None
+        best, greedy_sol = _both_ways(options, limit - base_size, f"--max-size {limit:,} bytes",
+                                      lambda c: f"{base_size + c:,} bytes")
     if not best.picks:
+        ups = [o for row in options for o in row if o.donor != BASE and o.score > 0]
+        if r.max_size is not None and ups:  # type: ignore[attr-defined]
+            raise PlanError(f"--max-size {r.max_size:,} bytes: too small for any unit; the base alone is {base_size:,} bytes "  # type: ignore[attr-defined]
+                            f"and the smallest mosaic (one unit) is {base_size + min(o.cost for o in ups):,} bytes")
+        if r.target_rate is not None and ups:  # type: ignore[attr-defined]
+            raise PlanError(f"--target-rate {r.target_rate}: no unit fits")  # type: ignore[attr-defined]
         raise PlanError("no unit has a usable score (all scores are negative or missing)")
     out_doc = {"name": name, "base": _source_doc(base_spec, recipe_dir),
                "donors": {did: _source_doc(spec, recipe_dir) for did, spec, _ in choice.donors

@@ -252,3 +252,46 @@ def greedy(options: Sequence[Sequence[Option]], fits: Callable[[list[Option]], b
     return Solution(picks, sum((o.score for o in picks), Fraction(0)), _key(picks))
 
 
+
+
+# --- plans in both directions -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shifted:
+    """Every unit's versions (the base's among them, as an option of cost 0 and score 0) moved so that each
+    unit's cheapest version is the zero point: every option then costs ≥ 0, and the upgrade-only solvers above
+    choose among them unchanged. ``floor`` is each unit's cheapest version (its most useful one on a cost tie),
+    ``rows`` the options that are worth their extra cost over it, ``floor_cost`` what the floors cost together."""
+
+    floor: list[Option]
+    rows: list[list[Option]]
+    originals: dict[tuple[int, int], Option]  # (unit, rank) of a shifted option -> the option as given
+    floor_cost: int
+
+    def unshift(self, sol: Solution) -> list[Option]:
+        """Every unit's version in the original space: the chosen one, else its floor."""
+        by_unit = {o.unit: self.originals[(o.unit, o.rank)] for o in sol.picks}
+        return [by_unit.get(f.unit, f) for f in self.floor]
+
+
+def shift(rows: Sequence[Sequence[Option]]) -> Shifted:
+    """``rows[u]`` holds every version of unit ``u``, its current one included (cost 0, score 0). A version that
+    costs no less than another and scores no more is never worth taking over it and is left out."""
+    floor: list[Option] = []
+    shifted: list[list[Option]] = []
+    originals: dict[tuple[int, int], Option] = {}
+    for row in rows:
+        if not row:
+            raise PlanError("a unit has no version to choose")
+        low = min(row, key=lambda o: (o.cost, -o.score, o.rank))
+        floor.append(low)
+        mine = []
+        for o in row:
+            if o is low or o.score <= low.score:
+                continue
+            s = Option(o.unit, o.rank, o.donor, o.cost - low.cost, o.score - low.score)
+            originals[(o.unit, o.rank)] = o
+            mine.append(s)
+        shifted.append(mine)
+    return Shifted(floor, shifted, originals, sum(f.cost for f in floor))
