@@ -69,7 +69,7 @@ def test_the_document_is_what_the_contract_says(by_layer: Path, smol: dict[str, 
 
     doc = json.loads(by_layer.read_text())
     assert validation_errors(doc) == []
-    assert doc["schema"] == "mosaic.measurement/v2" and doc["format"] == "gguf"
+    assert doc["schema"] == "mosaic.measurement/v3" and doc["format"] == "gguf"
     assert doc["settings"] == {"unit": "layer", "ctx": CTX, "top_k": 16, "layers": None, "kl": {"kind": "top-k lower bound", "k": 16},
                                "method": "swaps", "calibrate": "units", "weights_reference": "teacher", "dkl": "nats"}
     assert doc["forward_passes"] == 1 + 1 + 30  # the teacher, the base, one candidate per layer

@@ -20,7 +20,7 @@ from mosaic._eval.run import EvalRequest, evaluate
 from mosaic._measure.run import MeasureRequest, measure
 from mosaic.cli.commands import main
 from mosaic.testing.gguf import Geometry, write_llama_gguf
-from tests.conftest import run_cli, smollm2_quants
+from tests.conftest import build_versions, run_cli, smollm2_quants
 
 PARAGRAPHS = (Path(__file__).parent / "data" / "paragraphs.txt").read_text().splitlines()
 CTX = 64
@@ -139,6 +139,44 @@ def test_predictions_are_alpha_times_the_weight_error_saved(top_down: dict) -> N
     for r in doc["results"]:
         if r["donor"] == "q8":
             assert -r["dkl"] == pytest.approx(max(0.0, measured[r["group"]]["dkl_drop"]), rel=1e-9)
+
+
+def test_a_drop_goes_to_the_worst_version_a_smaller_donor_included(smol: dict[str, Path], tmp_path: Path) -> None:
+    """v3: with a donor of fewer bytes than the base (Q2_K under a Q3_K_M base), each unit's drop puts it at its
+    worst version, which is then measured, not extrapolated: the drop is what `mosaic eval` gives for the top built
+    with that unit at that version, and every version's dkl = alpha × (eps − eps_base), a loss where it is worse."""
+    doc = measure(_req(smol, tmp_path / "v3.json", base=str(smol["Q3_K_M"]),
+                       donors=[("q2k", str(smol["Q2_K"])), ("q8", str(smol["Q8_0"]))]))
+    assert doc["schema"] == "mosaic.measurement/v3" and doc["settings"]["drop"] == "worst"
+    rows = {(r["group"], r["donor"]): r for r in doc["results"]}
+    for m in doc["measured"]:
+        eps = {"base": m["eps_base"], "q2k": rows[(m["group"], "q2k")]["eps"], "q8": rows[(m["group"], "q8")]["eps"]}
+        worst = max(eps, key=lambda v: eps[v])
+        assert m["to"] == worst and m["eps_to"] == eps[worst]
+        assert m["alpha"] == pytest.approx(max(0.0, m["dkl_drop"]) / (m["eps_to"] - m["eps_top"]), rel=1e-12)
+        for d in ("q2k", "q8"):
+            r = rows[(m["group"], d)]
+            assert r["dkl"] == pytest.approx(m["alpha"] * (r["eps"] - r["eps_base"]), rel=1e-12, abs=1e-15)
+    down = [m for m in doc["measured"] if m["to"] == "q2k"]
+    assert down, "Q2_K is the worst version of some unit"
+    assert all(rows[(m["group"], "q2k")]["dbytes"] < 0 and rows[(m["group"], "q2k")]["dkl"] >= 0 for m in down)
+    m = max(down, key=lambda x: x["dkl_drop"])
+    key = f"{m['layer']}/{m['group']}"
+    donors = {"q2k": smol["Q2_K"], "q8": smol["Q8_0"]}
+    top = build_versions(smol["Q3_K_M"], donors, doc["top"]["versions"], tmp_path / "top")
+    dropped = build_versions(smol["Q3_K_M"], donors, {**doc["top"]["versions"], key: "q2k"}, tmp_path / "dropped")
+    ev = evaluate(EvalRequest([str(next(top.glob("*.gguf"))), str(next(dropped.glob("*.gguf")))], str(smol["saved"]),
+                              smol["measure"]))
+    t, c = ev["candidates"]
+    assert doc["top"]["kl"] == pytest.approx(t["kl"]["mean"], abs=1e-6)
+    assert m["kl"] == pytest.approx(c["kl"]["mean"], abs=1e-6)
+    # a plan below the base's own size takes the losses the measurement predicts smallest
+    base_size = smol["Q3_K_M"].stat().st_size
+    r = run_cli(["plan", "--base", str(smol["Q3_K_M"]), "--donor", f"q2k={smol['Q2_K']}", "--donor", f"q8={smol['Q8_0']}",
+                 "--scores", str(tmp_path / "v3.json"), "--max-size", str(base_size - 100_000), "--json"])
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["predicted_size"] <= base_size - 100_000 and any(c["donor"] == "q2k" for c in rep["chosen"])
 
 
 def test_kinds_pool_the_measured_layers_and_predict_every_layer(smol: dict[str, Path], tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ from mosaic._measure.calibrate import (
     predicted,
     top_versions,
     unit_key,
+    worst_versions,
 )
 from mosaic._measure.importance import load_importance
 from mosaic._measure.journal import Journal, journal_path
@@ -98,6 +99,7 @@ class MeasureRequest:
     max_size: int | None = None  # the budget the refinement plans at
     gpu_layers: int | str | None = None  # llama.cpp's offload ("all", a count; None: the default)
     curve: str = "line"  # top-down: one drop per unit (a line), or two (to the base's and a middle version)
+    ladder: bool = False  # the sources are a ladder's rungs: a unit alike in several (type and bytes) is one version
 
 
 def _remove_stale_work(workdir: Path, name: str) -> None:
@@ -234,6 +236,7 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
         settings["imatrix"] = importance.record(errors.weighted)
     if req.method == "top-down":
         settings["curve"] = req.curve
+        settings["drop"] = "worst"
     if req.refine:
         assert req.max_size is not None
         if req.max_size < side.base_bytes:
@@ -308,21 +311,25 @@ class _Plan:
         self.top = top_versions(side.versions, errors.eps, side.dbytes) if method == "top-down" else None
         if self.top is not None:
             self.top_map = {ui: v for ui, v in enumerate(self.top) if v != BASE}
-            self.drops = [ui for ui in mine if self.top[ui] != BASE]  # a unit whose best version is the base's: no drop
+            #: each unit's drop goes to its worst version (the base's, or a smaller donor's where that is worse)
+            self.to = worst_versions(side.versions, errors.eps, side.dbytes)
+            self.drops = [ui for ui in mine if self.top[ui] != self.to[ui]]  # one version, or all alike: no drop
             self.mids: dict[int, str] = {}
             if curve == "two-point":  # the second point of each unit's curve, where a version lies between
                 for ui in self.drops:
                     vs = side.versions[ui]
                     mid = mid_version(vs, {v: errors.eps[(ui, v)] for v in vs}, {v: side.dbytes[(ui, v)] for v in vs},
-                                      self.top[ui])
+                                      self.top[ui], self.to[ui])
                     if mid is not None:
                         self.mids[ui] = mid
-            self.pairs = set(self.top_map.items()) | set(self.mids.items())
+            self.pairs = (set(self.top_map.items()) | set(self.mids.items())
+                          | {(ui, self.to[ui]) for ui in self.drops if self.to[ui] != BASE})
             if refine:  # a plan may take any version of any unit
                 self.pairs |= {(ui, d) for ui, vs in enumerate(side.versions) for d in vs[1:]}
             self.swaps: list[tuple[int, str]] = []
         else:
             self.top_map = {}
+            self.to = []
             self.drops = []
             self.mids = {}
             self.swaps = [(ui, d) for ui in mine for d in side.versions[ui][1:]]
@@ -443,8 +450,11 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
             assert scorer is not None and top_rec is not None
             u = units[ui]
             versions = {x: v for x, v in plan.top_map.items() if x != ui}
+            to = plan.to[ui]
+            if to != BASE:
+                versions[ui] = to
             t0 = time.monotonic()
-            p = scorer.score(versions, f"the top with {u.describe()} at the base's version")
+            p = scorer.score(versions, f"the top with {u.describe()} at {'the base' if to == BASE else to}'s version")
             c_kl = [r["kl"] for r in p["rows"]]
             rec = _panel_record("drop", p, t0, layer=u.layer, group=u.group)
             rec["dkl_drop_se"] = _se(c_kl, [r[0] for r in top_rec["rows"]])
@@ -515,7 +525,8 @@ def _document(plan: _Plan, records: list[dict], head: dict, ref: Reference) -> d
         mid = None if m is None else {"donor": m["donor"], "eps": errors.eps[(ui, m["donor"])], "kl": m["kl"],
                                       "dkl_drop": m["kl"] - top_rec["kl"], "dkl_drop_se": m["dkl_drop_se"]}
         measured.append(measured_record(u.layer, u.group, r["kl"], r["top1"], r["nll"], top_rec["kl"], r["dkl_drop_se"],
-                                        errors.eps[(ui, BASE)], errors.eps[(ui, plan.top[ui])], mid))  # type: ignore[index]
+                                        errors.eps[(ui, BASE)], errors.eps[(ui, plan.top[ui])], mid,  # type: ignore[index]
+                                        to=plan.to[ui], eps_to=errors.eps[(ui, plan.to[ui])]))
     calibrate = head["settings"]["calibrate"]
     row_units = range(len(units)) if calibrate == "kinds" else plan.measured_units
     rows = [_row(side, errors, ui, d) for ui in row_units for d in side.versions[ui][1:]]

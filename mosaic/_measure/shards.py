@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mosaic._base.errors import MosaicError, OutputError, VerificationError
 from mosaic._base.lock import output_lock
-from mosaic._measure.calibrate import BASE, complete, unit_key
+from mosaic._measure.calibrate import BASE, complete, unit_key, worst_versions
 from mosaic._measure.importance import imatrix_name
 from mosaic._plan.measurement import SCHEMA_ID, dumps, load_measurement, validation_errors
 
@@ -77,6 +77,25 @@ def _inputs(doc: dict) -> dict:
     return d
 
 
+def _drop_versions(doc: dict) -> dict[str, str]:
+    """Each unit's worst version, read from the results' weight errors as the run chose it (a unit whose
+    top is its worst has no drop)."""
+    index: dict[str, int] = {}
+    versions: list[list[str]] = []
+    eps: dict[tuple[int, str], float] = {}
+    nbytes: dict[tuple[int, str], int] = {}
+    for r in doc["results"]:
+        k = unit_key(r["layer"], r["group"])
+        if k not in index:
+            i = index[k] = len(versions)
+            versions.append([BASE])
+            eps[(i, BASE)], nbytes[(i, BASE)] = r["eps_base"], 0
+        i = index[k]
+        versions[i].append(r["donor"])
+        eps[(i, r["donor"])], nbytes[(i, r["donor"])] = r["eps"], r["dbytes"]
+    return dict(zip(index, worst_versions(versions, eps, nbytes)))
+
+
 def _first_difference(a: object, b: object, where: str = "") -> str:
     if isinstance(a, dict) and isinstance(b, dict):
         for k in list(a) + [k for k in b if k not in a]:
@@ -121,6 +140,10 @@ def _merge(parts: list[Path], out: Path, force: bool) -> dict:
             raise MosaicError(f"shard {s['k']}/{n} given twice: {by_k[s['k']][0]} and {p}")
         by_k[s["k"]] = (p, d)
     first_path, first = by_k[min(by_k)]
+    for p, d in zip(parts, docs):
+        if d["schema"] != first["schema"]:
+            raise MosaicError(f"{p}: a {d['schema']} document, but {first_path} is {first['schema']}; "
+                              "measure every shard with one version of mosaic")
     want = _inputs(first)
     for p, d in zip(parts, docs):
         mine, theirs = d["settings"].get("imatrix"), first["settings"].get("imatrix")
@@ -135,10 +158,11 @@ def _merge(parts: list[Path], out: Path, force: bool) -> dict:
         raise MosaicError(f"shard {missing[0]}/{n} is missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     order = first["settings"]["shard"]["units"]
     top = first.get("top", {}).get("versions")
+    to = _drop_versions(first) if top is not None and first["settings"].get("drop") == "worst" else {}
     for k, (p, d) in sorted(by_k.items()):
         mine = [u for i, u in enumerate(order) if i % n == k - 1]
         if top is not None:
-            mine = [u for u in mine if top[u] != BASE]
+            mine = [u for u in mine if top[u] != to.get(u, BASE)]
             got = [unit_key(m["layer"], m["group"]) for m in d["measured"]]
         else:
             got = list(dict.fromkeys(unit_key(r["layer"], r["group"]) for r in d["results"]))

@@ -1,7 +1,8 @@
 """The ``mosaic.measurement`` documents: what was measured, with what, and what each unit buys.
 
-``v2`` is what ``mosaic measure`` writes, whatever the method (``top-down``, ``weights``, ``swaps``); ``v1``,
-the swaps measurement of earlier versions, is still read. Each is validated against its JSON Schema
+``v3`` is what ``mosaic measure`` writes, whatever the method (``top-down``, ``weights``, ``swaps``): v2 with each
+drop to the unit's worst version (``settings.drop``, per measured record ``to`` and ``eps_to``); ``v2`` and ``v1``
+(the swaps measurement of earlier versions) are still read. Each is validated against its JSON Schema
 (``mosaic/schema/measurement.schema.json``, ``measurement.v2.schema.json``) before it is written and when it
 is read (``mosaic plan --scores``). Every measured KL in them is the top-k lower bound of ``mosaic eval``
 against a saved reference, and ``settings.kl`` says so (kind and k).
@@ -17,8 +18,9 @@ from pathlib import Path
 from mosaic._base.errors import FormatError
 from mosaic._formats.safetensors_reader import strict_json_loads
 
-SCHEMA_ID = "mosaic.measurement/v2"
-SCHEMAS = {"mosaic.measurement/v1": "measurement.schema.json", "mosaic.measurement/v2": "measurement.v2.schema.json"}
+SCHEMA_ID = "mosaic.measurement/v3"
+SCHEMAS = {"mosaic.measurement/v1": "measurement.schema.json", "mosaic.measurement/v2": "measurement.v2.schema.json",
+           "mosaic.measurement/v3": "measurement.v3.schema.json"}
 
 
 @cache
