@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO   := demo
 
-.PHONY: install runtime demo test lint bench imatrix fuzz clean release
+.PHONY: install runtime demo test lint bench imatrix fuzz clean release llama-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,10 @@ $(LLAMA_TOOLS) &: $(LLAMA_SRC)
 	cmake -S $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_DIR)/build $(LLAMA_FLAGS) \
 		-DGGML_NATIVE=OFF -DGGML_OPENMP=ON >/dev/null
 	cmake --build $(LLAMA_DIR)/build --target llama-imatrix llama-quantize llama-perplexity -j $$(nproc) >/dev/null
+
+# `mosaic ladder`'s tool (and llama-imatrix, llama-perplexity): give it as --llama-quantize, or put the folder on PATH.
+llama-tools: $(LLAMA_TOOLS)
+	@echo "llama.cpp's tools: $(LLAMA_BIN) (mosaic ladder --llama-quantize $(LLAMA_BIN)/llama-quantize)"
 
 $(PERPLEXITY_NATIVE_BIN): $(LLAMA_SRC)
 	cmake -S $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_DIR)/build-native $(LLAMA_FLAGS) \

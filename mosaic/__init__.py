@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 from mosaic._base.version import __version__
 
-_FUNCTIONS = ("build", "audit", "census", "plan", "measure", "evaluate", "export_gguf", "fetch", "publish", "rebuild",
-              "sign", "load_recipe", "Recipe")
+_FUNCTIONS = ("build", "audit", "census", "plan", "measure", "ladder", "evaluate", "export_gguf", "fetch", "publish",
+              "rebuild", "sign", "load_recipe", "Recipe")
 _RESULTS = ("AuditFailure", "AuditResult", "BuildResult", "CensusResult", "CheckOutcome", "EvalResult",
-            "ExportResult", "FetchResult", "FetchedSource", "FileRecord", "FolderAudit", "MeasureResult",
+            "ExportResult", "FetchResult", "FetchedSource", "FileRecord", "FolderAudit", "LadderResult", "MeasureResult",
             "PlanResult", "PublishResult", "RebuildResult", "SignResult")
 _ERRORS = ("MosaicError", "VerificationError", "HostError", "FormatError", "CheckpointError", "RecipeError",
            "SourceError", "OutputError", "SigningError")
@@ -39,9 +39,9 @@ _HOME = {
 __all__ = [  # what _HOME names, and the version (tests/test_api.py holds the two lists together)
     "AuditFailure", "AuditResult", "BuildResult", "CensusResult", "CheckOutcome", "CheckpointError", "EvalResult",
     "ExportResult", "FetchResult", "FetchedSource", "FileRecord", "FolderAudit", "FormatError", "HostError",
-    "MeasureResult", "MosaicError", "OutputError", "PlanResult", "PublishResult", "RebuildResult", "Recipe",
+    "LadderResult", "MeasureResult", "MosaicError", "OutputError", "PlanResult", "PublishResult", "RebuildResult", "Recipe",
     "RecipeError", "Reporter", "SignResult", "SigningError", "SourceError", "VerificationError", "__version__",
-    "audit", "build", "census", "evaluate", "export_gguf", "fetch", "load_recipe", "measure", "plan", "publish",
+    "audit", "build", "census", "evaluate", "export_gguf", "fetch", "ladder", "load_recipe", "measure", "plan", "publish",
     "rebuild", "sign",
 ]
 

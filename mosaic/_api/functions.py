@@ -31,6 +31,7 @@ from mosaic._api.results import (
     ExportResult,
     FetchResult,
     FolderAudit,
+    LadderResult,
     MeasureResult,
     PlanResult,
     PublishResult,
@@ -108,6 +109,19 @@ def _donor_list(donors: Donors) -> list[tuple[str, str]]:
         donors = [donors]
     pairs = list(donors.items()) if isinstance(donors, Mapping) else list(donors)
     return [parse_donor_arg(p) if isinstance(p, str) else donor_pair(p[0], os.fspath(p[1])) for p in pairs]
+
+
+def _ladder_sources(ladder: PathLike | None, base: PathLike | None, donors: Donors | None) -> tuple[str | None, list[tuple[str, str]]]:
+    """``--ladder DIR`` in place of ``--base``/``--donor``: the rung of fewest bytes is the base, every other rung a
+    donor named by its type, each file checked against ``ladder.json`` first."""
+    if ladder is None:
+        return (None if base is None else os.fspath(base)), _donor_list(donors or [])
+    if base is not None or donors:
+        raise MosaicError("--ladder DIR names the base and the donors itself: give it instead of --base/--donor, not with them")
+    from mosaic._sources.rung_set import open_ladder
+
+    rungs = open_ladder(os.fspath(ladder))
+    return str(rungs.base.path), [(r.id, str(r.path)) for r in rungs.donors]
 
 
 def _in_range(flag: str, value: int | None, lo: int, hi: int) -> int | None:
@@ -196,14 +210,15 @@ def census(source: PathLike) -> CensusResult:
 @_host_errors
 def plan(
     *,
-    base: PathLike,
-    donors: Donors,
+    base: PathLike | None = None,
+    donors: Donors | None = None,
     scores: PathLike,
     max_size: int | str | None = None,
     target_rate: float | str | None = None,
     layers: int | None = None,
     unit: str | None = None,
     out: PathLike | None = None,
+    ladder: PathLike | None = None,
 ) -> PlanResult:
     """Choose exactly (not greedily) which units to take from which donor under a budget; write the recipe.
 
@@ -230,10 +245,12 @@ def plan(
     from mosaic._plan.planner import PlanRequest, parse_size, plan_mosaic
     from mosaic._sources.gguf import is_gguf_src
 
-    donor_list = _donor_list(donors)  # before the budget, as the command line reads them
+    base_src, donor_list = _ladder_sources(ladder, base, donors)  # before the budget, as the command line reads them
+    if base_src is None or not donor_list:
+        raise MosaicError("give --base SRC and at least one --donor ID=SRC, or --ladder DIR")
     size = parse_size(max_size) if isinstance(max_size, str) else max_size
     req = PlanRequest(
-        base=os.fspath(base), donors=donor_list, scores=Path(scores), max_size=size,
+        base=base_src, donors=donor_list, scores=Path(scores), max_size=size,
         target_rate=None if target_rate is None else str(target_rate), layers=layers,
         unit=unit or "layer-experts", out=None if out is None else Path(out), unit_explicit=unit is not None,
     )
@@ -603,9 +620,10 @@ def measure(
     gpu_layers: int | str | None = None,
     verbose: bool = False,
     progress: Progress = False,
+    ladder: PathLike | None = None,
 ) -> MeasureResult:
     """Measure what each unit buys from each donor, on the model itself, and write it to ``out`` as a
-    ``mosaic.measurement/v2`` document for :func:`plan`.
+    ``mosaic.measurement/v3`` document for :func:`plan`.
 
     ``method``: ``"top-down"`` (the default: every unit's weight error at every version, read from the files;
     the top model, every unit at its best version; one candidate per unit, the top with that unit back at the
@@ -649,12 +667,13 @@ def measure(
 
         given = [k for k, v in (("base", base), ("donors", donors), ("reference", reference), ("text", text),
                                 ("shard", shard), ("only_layers", only_layers), ("imatrix", imatrix),
-                                ("max_size", max_size)) if v is not None] + (["refine"] if refine else [])
+                                ("max_size", max_size), ("ladder", ladder)) if v is not None] + (["refine"] if refine else [])
         if given:
             raise MosaicError(f"--merge joins the shards' documents alone: {', '.join(given)} not used")
         return MeasureResult(Path(out), _merge([Path(p) for p in merge], Path(out), force=force))
-    if base is None:
-        raise MosaicError("give --base SRC (or --merge PART.json ...)")
+    base_src, donor_list = _ladder_sources(ladder, base, donors)
+    if base_src is None:
+        raise MosaicError("give --base SRC (or --ladder DIR, or --merge PART.json ...)")
     _in_range("--ctx", ctx, 2, 1 << 20)
     _in_range("--top-k", top_k, 1, 1 << 16)
     _in_range("--threads", threads, 1, 1024)
@@ -664,11 +683,49 @@ def measure(
         raise MosaicError("--only-layers: an empty list of layers (None measures every layer)")
     else:
         layers = ",".join(str(int(la)) for la in only_layers)
-    req = MeasureRequest(os.fspath(base), _donor_list(donors or []), None if reference is None else os.fspath(reference),
+    req = MeasureRequest(base_src, donor_list, None if reference is None else os.fspath(reference),
                          None if text is None else Path(text), unit, layers, ctx, top_k, Path(out), resume, force,
                          None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard,
                          None if imatrix is None else os.fspath(imatrix), refine,
-                         parse_size(max_size) if isinstance(max_size, str) else max_size, parse_gpu_layers(gpu_layers), curve)
+                         parse_size(max_size) if isinstance(max_size, str) else max_size, parse_gpu_layers(gpu_layers), curve,
+                         ladder is not None)
     with _running(progress, unit="candidates") as r:
         doc = _measure(req, r)
     return MeasureResult(Path(out), doc)
+
+
+@_host_errors
+def ladder(
+    source: PathLike,
+    *,
+    out: PathLike,
+    imatrix: PathLike | None = None,
+    types: str | Sequence[str] | None = None,
+    llama_quantize: PathLike | None = None,
+    threads: int | None = None,
+    progress: Progress = False,
+) -> LadderResult:
+    """Make the donors of a model from its own source: one GGUF per ggml type in ``out``, every quantizable
+    tensor at that type, made by llama.cpp's ``llama-quantize`` (``llama_quantize``, else ``$MOSAIC_LLAMA_QUANTIZE``,
+    else ``PATH``), with the importance matrix ``imatrix`` where given; ``out/ladder.json`` records the tool, the
+    inputs' SHA-256, each rung's exact command and its fallbacks. Resumable: a rung made from the same inputs and
+    still intact is kept. ``types``: ggml type names (default: every type llama.cpp's own mixer considers, less
+    those that need a matrix when none is given). :func:`measure` and :func:`plan` take the folder as ``ladder``.
+
+    >>> from mosaic.testing.gguf import Geometry, write_llama_gguf
+    >>> from mosaic.testing.quantize_tool import write_tool
+    >>> src = write_llama_gguf(tmp / "model-F16.gguf", qtype="F16", geometry=Geometry(n_layer=1, n_embd=256, n_ff=256))[0]
+    >>> lad = mosaic.ladder(src, out=tmp / "ladder", types="Q4_K,Q8_0", llama_quantize=write_tool(tmp / "llama-quantize"))
+    >>> [(r["id"], r["fallbacks"]) for r in lad.rungs]
+    [('q4_k', {}), ('q8_0', {})]
+    """
+    from mosaic._measure.rungs import LadderRequest, make_ladder
+
+    _in_range("--threads", threads, 1, 1024)
+    type_text = types if types is None or isinstance(types, str) else ",".join(types)
+    req = LadderRequest(os.fspath(source), Path(out), None if imatrix is None else os.fspath(imatrix), type_text,
+                        None if llama_quantize is None else os.fspath(llama_quantize), threads)
+    with _running(progress, unit="rungs") as r:
+        doc = make_ladder(req, r)
+    return LadderResult(Path(out), doc, tuple(req.notes))
+

@@ -208,7 +208,7 @@ class PlanResult:
 
 @dataclass(frozen=True)
 class MeasureResult:
-    """A complete ``mosaic.measurement/v1`` document, written to ``out``."""
+    """A complete ``mosaic.measurement`` document (v3), written to ``out``."""
 
     out: Path
     document: Mapping[str, Any] = _mapping(repr=False)
@@ -223,6 +223,25 @@ class MeasureResult:
 
     def as_dict(self) -> dict[str, object]:
         return dict(self.document)
+
+
+@dataclass(frozen=True)
+class LadderResult:
+    """A ladder made (or completed): its folder and its manifest, ``ladder.json`` (the ``--json`` document)."""
+
+    out: Path
+    manifest: Mapping[str, Any] = _mapping(repr=False)
+    notes: tuple[str, ...] = ()
+
+    __post_init__ = _view(("manifest",))
+
+    @property
+    def rungs(self) -> list[Any]:
+        """One record per rung: ``type``, ``id``, ``file``, ``sha256``, ``bytes``, ``command``, ``fallbacks``."""
+        return list(self.manifest["rungs"])
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.manifest)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class Importance:
                 "weighted": sorted(weighted)}
 
 
-def _local_path(src: str, progress: Reporter) -> Path:
+def local_path(src: str, progress: Reporter) -> Path:
     """The file ``src`` names: itself, or a pinned hub file fetched and verified into the cache."""
     p = Path(src)
     m = _HUB_RE.match(src)
@@ -62,7 +62,7 @@ def _local_path(src: str, progress: Reporter) -> Path:
 
 def load_importance(src: str, tensors: dict[str, tuple[int, ...]], progress: Reporter = SILENT) -> Importance:
     """Find, read and check the importance matrix ``src`` against the base's tensors (name → ggml ``ne``)."""
-    path = _local_path(src, progress)
+    path = local_path(src, progress)
     imatrix = read_imatrix(path).for_model(tensors)
     return Importance(imatrix, digest_file(path).sha256)
 

@@ -87,6 +87,17 @@ def _same_gguf_bytes(unit: Unit, base: GGUFModel, donor: GGUFModel) -> bool:
     return True
 
 
+def _distinct(unit: Unit, versions: list[str], base: GGUFModel, donors: dict[str, GGUFModel]) -> list[str]:
+    """A ladder's versions of a unit with each distinct one once: a donor whose tensors are the same type and
+    bytes as the base's or an earlier donor's is that version (narrow rows fall back to the same few types in
+    many rungs), measured once, under its first name."""
+    kept = ["base"]
+    for v in versions[1:]:
+        if not any(_same_gguf_bytes(unit, base if k == "base" else donors[k], donors[v]) for k in kept):
+            kept.append(v)
+    return kept
+
+
 def _digests(records: list[dict]) -> dict[str, str]:
     return {r["name"]: r["sha256"] for r in records}
 
@@ -112,6 +123,8 @@ def gguf_side(req: object, progress: Reporter) -> Side:
     units = gguf_units(base, kind, None)
     selected = [i for i, u in enumerate(units) if (u.layer, u.group) in chosen]
     versions = [["base", *(d for d in donors if donor_has(u, base, donors[d]))] for u in units]
+    if r.ladder:  # type: ignore[attr-defined]
+        versions = [_distinct(u, vs, base, donors) for u, vs in zip(units, versions)]
     sizes = {(ui, v): 0 if v == "base" else dbytes(units[ui], base, donors[v]) for ui, vs in enumerate(versions) for v in vs}
     base_files = file_records(base, base_spec, progress)
 

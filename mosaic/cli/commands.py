@@ -120,9 +120,11 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
 
 
 @main.command()
-@click.option("--base", "base", required=True, metavar="SRC",
+@click.option("--base", "base", default=None, metavar="SRC",
               help="The base: a folder or org/name@<40-hex commit>; for GGUF a .gguf file, a folder of one model, or org/name@<commit>:<file or glob>.")
-@click.option("--donor", "donors", multiple=True, required=True, metavar="ID=SRC", help="A donor (repeatable; order = measurement alternatives).")
+@click.option("--donor", "donors", multiple=True, metavar="ID=SRC", help="A donor (repeatable; order = measurement alternatives).")
+@click.option("--ladder", "ladder", default=None, type=click.Path(path_type=Path), metavar="DIR",
+              help="A ladder made by mosaic ladder, in place of --base/--donor: its smallest rung the base, every other a donor.")
 @click.option("--scores", "scores", required=True, type=click.Path(path_type=Path),
               help="A measurement from mosaic measure, per-layer scores (JSON or CSV), or exllamav3's measurement JSON.")
 @click.option("--max-size", "max_size", metavar="SIZE", help="Budget: total .safetensors bytes (K/M/G/T = 10^3.., KiB/MiB/GiB/TiB = 1024^..).")
@@ -134,13 +136,14 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
 @click.option("--out", "out", type=click.Path(path_type=Path), help="Write the recipe here (sources relative to its folder).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
-def plan(base: str, donors: tuple[str, ...], scores: Path, max_size: str | None, target_rate: str | None,
-         layers: int | None, unit: str, out: Path | None, as_json: bool) -> None:
-    """Choose which units to upgrade under a budget, exactly (not greedily), and write the recipe."""
+def plan(base: str | None, donors: tuple[str, ...], ladder: Path | None, scores: Path, max_size: str | None,
+         target_rate: str | None, layers: int | None, unit: str, out: Path | None, as_json: bool) -> None:
+    """Choose each unit's version under a budget, exactly (not greedily), and write the recipe; for GGUF a unit
+    may also go down to a donor of fewer bytes than the base's."""
     from mosaic.cli.render import render_plan
 
     res = api.plan(base=base, donors=list(donors), scores=scores, max_size=max_size,
-                   target_rate=target_rate, layers=layers, unit=unit, out=out)
+                   target_rate=target_rate, layers=layers, unit=unit, out=out, ladder=ladder)
     if as_json:
         _emit_json(res.as_dict())
     else:
@@ -404,6 +407,8 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.argument("parts", nargs=-1, metavar="[PART.json...]", type=click.Path(path_type=Path))
 @click.option("--base", "base", default=None, metavar="SRC", help="The base: a .gguf file, a split set's first file, a folder, or org/name@<commit>:<file>.")
 @click.option("--donor", "donors", multiple=True, metavar="ID=SRC", help="A donor quantization of the same model (repeatable).")
+@click.option("--ladder", "ladder", default=None, type=click.Path(path_type=Path), metavar="DIR",
+              help="A ladder made by mosaic ladder, in place of --base/--donor: its smallest rung the base, every other a donor.")
 @click.option("--reference", "reference", default=None, metavar="REF",
               help="The teacher: a model (run once here), or a reference saved by mosaic eval --save-reference (.npz); "
                    "optional with --method weights (its tensors are the weights' reference when it is a model).")
@@ -442,7 +447,7 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--verbose", is_flag=True, help="Show the runtime's own log lines on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurement document on stdout.")
 @_guarded
-def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], reference: str | None, text: Path | None,
+def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], ladder: Path | None, reference: str | None, text: Path | None,
                 method: str, calibrate: str, curve: str, unit: str | None, only_layers: str | None, ctx: int | None, top_k: int | None,
                 imatrix: str | None, refine: int | None, max_size: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
                 force: bool, threads: int | None, gpu_layers: str | None, verbose: bool, as_json: bool) -> None:
@@ -457,11 +462,12 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
     if merge:
         res = api.measure(merge=list(parts), out=out, force=force, base=base, donors=list(donors) or None,
                           reference=reference, text=text, shard=shard, only_layers=only_layers, imatrix=imatrix,
-                          refine=refine or 0, max_size=max_size)
+                          refine=refine or 0, max_size=max_size, ladder=ladder)
     else:
-        if base is None or not donors:
-            raise MosaicError("give --base SRC and at least one --donor ID=SRC (or --merge PART.json ...)")
-        res = api.measure(base=base, donors=list(donors), reference=reference, text=text, method=method, calibrate=calibrate,
+        if ladder is None and (base is None or not donors):
+            raise MosaicError("give --base SRC and at least one --donor ID=SRC, or --ladder DIR (or --merge PART.json ...)")
+        res = api.measure(base=base, donors=list(donors) or None, ladder=ladder, reference=reference, text=text,
+                          method=method, calibrate=calibrate,
                           curve=curve,
                           unit=unit, only_layers=only_layers, ctx=ctx, top_k=top_k, shard=shard, imatrix=imatrix,
                           refine=refine or 0, max_size=max_size, out=out, workdir=workdir,
@@ -472,6 +478,34 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
         _emit_json(doc)
     else:
         render_measurement(_console(), doc, out)
+
+
+@main.command("ladder")
+@click.argument("source", metavar="SOURCE")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), metavar="DIR",
+              help="The ladder's folder: one GGUF per type and ladder.json.")
+@click.option("--imatrix", "imatrix", default=None, metavar="SRC",
+              help="An importance matrix (llama-imatrix's .gguf or .dat; a file or org/name@<commit>:<file>) handed to the tool.")
+@click.option("--types", "types", default=None, metavar="LIST",
+              help="ggml types, comma-separated (default: every type llama.cpp's own mixer considers, IQ1_S ... Q8_0; "
+                   "those that need an importance matrix only with --imatrix).")
+@click.option("--llama-quantize", "llama_quantize", default=None, metavar="PATH",
+              help="llama.cpp's llama-quantize (default: $MOSAIC_LLAMA_QUANTIZE, else the one on PATH; make llama-tools builds it).")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="The tool's threads (default: every core).")
+@click.option("--json", "as_json", is_flag=True, help="Print ladder.json on stdout.")
+@_guarded
+def ladder_cmd(source: str, out: Path, imatrix: str | None, types: str | None, llama_quantize: str | None,
+               threads: int | None, as_json: bool) -> None:
+    """Make the donors from the model's own source with llama.cpp's llama-quantize: one GGUF per type, every
+    quantizable tensor at that type, and ladder.json; measure and plan take the folder as --ladder DIR."""
+    from mosaic.cli.render import render_ladder
+
+    res = api.ladder(source, out=out, imatrix=imatrix, types=types, llama_quantize=llama_quantize, threads=threads,
+                     progress=_bars(as_json))
+    if as_json:
+        _emit_json(res.as_dict())
+    else:
+        render_ladder(_console(), res.as_dict(), list(res.notes), out)
 
 
 if __name__ == "__main__":

@@ -399,3 +399,25 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
         t.add_row("-" if r["layer"] is None else str(r["layer"]), lit(r["group"] or "-"), lit(r["donor"]), f"{r['dbytes']:,}",
                   f"{r['dkl']:+.5f}", se, f"{r['eps_base']:.2e} → {r['eps']:.2e}", "predicted" if r["predicted"] else "measured")
     console.print(t)
+
+
+def render_ladder(console: Console, doc: dict, notes: list[str], out: object) -> None:
+    tool = doc["tool"]
+    src = doc["source"]
+    im = doc.get("imatrix")
+    console.print(f"[bold]ladder[/bold] {lit(str(out))}: {len(doc['rungs'])} rungs of {lit(src['file'])} "
+                  f"({human_bytes(src['bytes'])}, sha256 {src['sha256']})")
+    console.print(f"made by {lit(tool['path'])} ({lit(tool['version'] or 'no build line printed')})"
+                  + (f", importance matrix sha256 {im['sha256']} ({im['format']})" if im else ", no importance matrix"))
+    for note in notes:
+        console.print(f"note: {lit(note)}")
+    table = Table(show_header=True, header_style="bold")
+    for col in ("type", "id", "file", "bytes", "fallbacks"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for r in doc["rungs"]:
+        kinds: dict[str, int] = {}
+        for t in r["fallbacks"].values():
+            kinds[t] = kinds.get(t, 0) + 1
+        fb = ", ".join(f"{n} at {lit(t)}" for t, n in sorted(kinds.items())) or "none"
+        table.add_row(lit(r["type"]), lit(r["id"]), lit(r["file"]), f"{r['bytes']:,}", fb)
+    console.print(table)

@@ -1,0 +1,253 @@
+"""`mosaic ladder`: the donors made from the model's own source by llama.cpp's quantizer, and `--ladder DIR`.
+
+The suite compiles nothing, so the tool is a stand-in (`mosaic.testing.quantize_tool`): llama.cpp's own
+`llama_model_quantize` through the runtime's binding, behind llama-quantize's command line. Every rung is held to
+readers that are not mosaic's: gguf-py reads each rung, and the types gguf-py's own quantizer writes bit for bit
+(Q8_0, Q4_0, Q5_0) are compared with gguf-py's quantization of the source's values, tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import mosaic
+from mosaic._measure.rungs import planned_types, rung_command
+from mosaic.cli.commands import main
+from mosaic.testing.gguf import Geometry, imatrix_targets, imatrix_values, write_imatrix, write_llama_gguf
+from mosaic.testing.quantize_tool import write_tool
+from tests.conftest import needs_runtime, run_cli
+
+#: every row a multiple of 256, so that the K-quants take every tensor as they are (no fallback under --pure)
+WIDE = Geometry(n_layer=2, n_embd=256, n_ff=256, n_head=4, n_head_kv=2)
+TYPES = "IQ4_NL,Q4_0,Q4_K,Q5_0,Q6_K,Q8_0"
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    needs_runtime()
+    d = tmp_path_factory.mktemp("ladder")
+    src = write_llama_gguf(d / "wide-F16.gguf", qtype="F16", seed=11, geometry=WIDE)[0]
+    tool = write_tool(d / "llama-quantize")
+    mosaic.ladder(src, out=d / "rungs", types=TYPES, llama_quantize=tool)
+    return {"dir": d, "src": src, "tool": tool, "rungs": d / "rungs"}
+
+
+def _tensors(path: Path) -> dict[str, object]:
+    from gguf import GGUFReader
+
+    return {t.name: t for t in GGUFReader(str(path)).tensors}
+
+
+def test_every_rung_is_what_llama_cpp_writes_tensor_by_tensor(made: dict[str, Path]) -> None:
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    doc = json.loads((made["rungs"] / "ladder.json").read_text())
+    assert doc["schema"] == "mosaic.ladder/v1" and doc["imatrix"] is None
+    assert [r["type"] for r in doc["rungs"]] == TYPES.split(",")
+    assert doc["tool"]["version"].startswith("build = ")
+    src = _tensors(made["src"])
+    for r in doc["rungs"]:
+        path = made["rungs"] / r["file"]
+        assert path.stat().st_size == r["bytes"] and r["id"] == r["type"].lower() and r["fallbacks"] == {}
+        rung = _tensors(path)
+        assert set(rung) == set(src)
+        for name, t in rung.items():
+            s = src[name]
+            if len(s.shape) < 2 or not name.endswith(".weight"):
+                assert t.tensor_type.name == "F32"
+                continue
+            assert t.tensor_type.name == r["type"], (name, r["type"])
+            if r["type"] in ("Q8_0", "Q4_0", "Q5_0"):  # gguf-py quantizes these exactly as ggml does
+                floats = dequantize(s.data, s.tensor_type).astype(np.float32)
+                want = quantize(floats, GGMLQuantizationType[r["type"]])
+                assert np.array_equal(np.asarray(t.data).view(np.uint8).ravel(), want.view(np.uint8).ravel()), name
+        assert r["command"][0] == str(made["tool"].resolve()) and "--pure" in r["command"]
+        assert r["command"][-2] == {"Q4_K": "Q4_K_M", "Q6_K": "Q6_K"}.get(r["type"], r["type"])
+    # no temporary, no half rung: the folder holds the rungs and the manifest alone
+    assert sorted(p.name for p in made["rungs"].iterdir()) == sorted([r["file"] for r in doc["rungs"]] + ["ladder.json"])
+
+
+def test_the_fallbacks_are_llama_cpps_own_and_pure_gives_way_where_it_cannot_say_them() -> None:
+    """SmolLM2's rows are 576 wide: a 256-wide block divides none of them, so llama.cpp's fallback applies, and
+    --pure (under which llama.cpp applies neither fallback nor --tensor-type) cannot express the rung."""
+    rows = {"token_embd.weight": 576, "blk.0.attn_q.weight": 576, "blk.0.ffn_down.weight": 1536}
+    assert planned_types(rows, "Q4_K", set()) == {"token_embd.weight": "Q5_0", "blk.0.attn_q.weight": "Q5_0",
+                                                   "blk.0.ffn_down.weight": "Q4_K"}
+    assert planned_types(rows, "Q6_K", set())["blk.0.attn_q.weight"] == "Q8_0"
+    assert planned_types(rows, "Q2_K", set())["blk.0.attn_q.weight"] == "IQ4_NL"
+    assert planned_types({"x.weight": 96}, "Q4_K", set()) == {"x.weight": "Q5_0"}  # 96: 32-wide blocks fit
+    assert planned_types({"x.weight": 40}, "Q4_K", set()) == {"x.weight": "F16"}  # nothing 32 wide fits: F16
+    # an uncovered embedding at a type that needs a matrix takes the nearest that needs none, then its fallback
+    assert planned_types(rows, "IQ2_XXS", {"token_embd.weight"})["token_embd.weight"] == "IQ4_NL"
+    assert planned_types({"token_embd.weight": 512}, "IQ2_XXS", {"token_embd.weight"}) == {"token_embd.weight": "Q2_K"}
+    argv = rung_command(Path("/t/llama-quantize"), Path("/s.gguf"), ".tmp", "Q4_K", 2, imatrix_name=None,
+                        planned=planned_types(rows, "Q4_K", set()), requantize=True)
+    assert "--pure" not in argv and argv[-4:] == ["/s.gguf", ".tmp", "Q4_K_M", "2"]
+    assert argv[argv.index("--token-embedding-type"):][:2] == ["--token-embedding-type", "q5_0"]
+    pairs = [argv[i + 1] for i, a in enumerate(argv) if a == "--tensor-type"]
+    assert pairs == [r"^blk\.0\.attn_q\.weight$=q5_0", r"^blk\.0\.ffn_down\.weight$=q4_k"]
+    # where only the embedding (or the output) differs, --pure with its own flag says it all
+    wide = {"token_embd.weight": 512, "blk.0.attn_q.weight": 512}
+    argv = rung_command(Path("/t/q"), Path("/s.gguf"), ".tmp", "IQ2_XXS", 2, imatrix_name="imatrix-ab.gguf",
+                        planned=planned_types(wide, "IQ2_XXS", {"token_embd.weight"}), requantize=False)
+    assert argv[:6] == ["/t/q", "--pure", "--imatrix", "imatrix-ab.gguf", "--token-embedding-type", "q2_k"]
+
+
+def test_a_type_that_needs_a_matrix_never_aborts_on_what_the_matrix_lacks(made: dict[str, Path], tmp_path: Path) -> None:
+    """With a matrix that covers every weight but the embedding and the output, IQ2_XXS gets those two at Q2_K:
+    the tool's own refusal ("Missing importance matrix") never comes. The stand-in writes no IQ2_XXS (it cannot
+    apply a matrix) and says so; the failed rung leaves nothing, the matrix lies in the folder under its digest."""
+    im = write_imatrix(tmp_path / "m.gguf", imatrix_values(imatrix_targets(WIDE), seed=5))
+    out = tmp_path / "iq"
+    r = run_cli(["ladder", str(made["src"]), "--out", str(out), "--imatrix", str(im), "--types", "Q8_0,IQ2_XXS",
+                 "--llama-quantize", str(made["tool"])])
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and "IQ2_XXS rung" in line and "applies no importance matrix" in line
+    assert "Missing importance matrix" not in line
+    names = sorted(p.name for p in out.iterdir())
+    assert [n for n in names if n.endswith(".gguf") and not n.startswith("imatrix-")] == []
+    assert not [n for n in names if "partial" in n]
+    handed = [n for n in names if n.startswith("imatrix-")]
+    assert len(handed) == 1 and (out / handed[0]).read_bytes() == im.read_bytes()
+    # without the overrides the tool aborts, naming the tensor: what the ladder steers around
+    import subprocess
+
+    p = subprocess.run([str(made["tool"]), "--pure", "--imatrix", str(im), str(made["src"]), str(tmp_path / "x"),
+                        "IQ2_XXS", "1"], capture_output=True, text=True)
+    assert p.returncode == 1 and "Missing importance matrix for tensor token_embd.weight" in p.stderr
+
+
+def test_a_rung_made_of_the_same_inputs_is_kept_and_a_changed_one_made_again(made: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "resume"
+    shutil.copytree(made["rungs"], out)
+    before = {p.name: p.stat().st_ino for p in out.glob("*.gguf")}
+    log = tmp_path / "calls"
+    counting = tmp_path / "counting-quantize"
+    counting.write_text(f"#!/bin/sh\necho x >> {log}\nexec {made['tool']} \"$@\"\n")
+    counting.chmod(0o755)
+    # another tool file is another tool: first, the same tool kept every rung
+    res = mosaic.ladder(made["src"], out=out, types=TYPES, llama_quantize=made["tool"])
+    assert {p.name: p.stat().st_ino for p in out.glob("*.gguf")} == before and not res.notes
+    # a rung whose bytes changed is made again, the others kept
+    victim = out / "wide-F16-Q5_0.gguf"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    res = mosaic.ladder(made["src"], out=out, types=TYPES, llama_quantize=made["tool"])
+    assert victim.read_bytes() == (made["rungs"] / victim.name).read_bytes()
+    assert {p.name: p.stat().st_ino for p in out.glob("*.gguf") if p.name != victim.name} == {
+        k: v for k, v in before.items() if k != victim.name}
+    # a rung asked for the first time is added; the others stay
+    res = mosaic.ladder(made["src"], out=out, types="Q5_1", llama_quantize=made["tool"])
+    assert [r["type"] for r in res.rungs] == ["IQ4_NL", "Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q6_K", "Q8_0"]
+    # another tool: every rung is made again, and the note says why
+    res = mosaic.ladder(made["src"], out=out, types="Q8_0", llama_quantize=counting)
+    assert log.read_text().count("x") == 1 and [r["type"] for r in res.rungs] == ["Q8_0"]
+    assert any("other inputs" in n for n in res.notes)
+
+
+def test_a_failed_or_killed_tool_leaves_no_rung_it_did_not_finish(made: dict[str, Path], tmp_path: Path) -> None:
+    out_arg = 'eval "o=\\${$(($#-2))}"; '  # the output is the third argument from the end
+    for name, body in (("half", out_arg + 'printf GGUF > "$o"; echo "died half way" >&2; exit 1\n'),
+                       ("killed", out_arg + 'printf GGUF > "$o"; kill -9 $$\n'),
+                       ("garbage", out_arg + 'printf "not a gguf at all" > "$o"; exit 0\n')):
+        tool = tmp_path / f"{name}-quantize"
+        tool.write_text("#!/bin/sh\n" + body)
+        tool.chmod(0o755)
+        out = tmp_path / name
+        r = run_cli(["ladder", str(made["src"]), "--out", str(out), "--types", "Q8_0", "--llama-quantize", str(tool)])
+        assert r.returncode == 2, (name, r.stderr)
+        line = r.stderr.strip()
+        assert "\n" not in line and "Q8_0 rung" in line, line
+        if name == "half":
+            assert line.endswith("died half way")
+        if name == "killed":
+            assert "signal 9" in line
+        assert sorted(p.name for p in out.iterdir()) == [], (name, list(out.iterdir()))
+    assert not (tmp_path / "half.lock").exists()
+
+
+def test_bad_input_is_one_line_and_touches_nothing(made: dict[str, Path], tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MOSAIC_LLAMA_QUANTIZE"}
+    env["PATH"] = str(tmp_path / "empty-path")
+
+    def one_line(args: list[str], *, environ: dict | None = None) -> str:
+        import subprocess
+        import sys
+
+        r = subprocess.run([sys.executable, "-m", "mosaic.cli", *args], capture_output=True, text=True, env=environ)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("mosaic: error: "), r.stderr
+        return r.stderr
+
+    out = tmp_path / "never"
+    assert "make llama-tools" in one_line(["ladder", str(made["src"]), "--out", str(out)], environ=env)
+    tool = ["--llama-quantize", str(made["tool"])]
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    assert "not a GGUF model" in one_line(["ladder", str(text), "--out", str(out), *tool])
+    im = write_imatrix(tmp_path / "m.gguf", imatrix_values(imatrix_targets(WIDE), seed=5))
+    assert "an importance matrix, not a model" in one_line(["ladder", str(im), "--out", str(out), *tool])
+    other = write_imatrix(tmp_path / "other.gguf", imatrix_values(imatrix_targets(Geometry(n_layer=3)), seed=5))
+    assert "input width is 256" in one_line(["ladder", str(made["src"]), "--out", str(out), "--imatrix", str(other), *tool])
+    assert "needs an importance matrix" in one_line(["ladder", str(made["src"]), "--out", str(out), "--types", "IQ1_S", *tool])
+    assert "Q9_9 is not a type" in one_line(["ladder", str(made["src"]), "--out", str(out), "--types", "Q9_9", *tool])
+    assert not out.exists()
+    # the folder is locked while a ladder is made there
+    from tests.test_lock import held_elsewhere
+
+    with held_elsewhere(out, "mosaic ladder") as p:
+        msg = one_line(["ladder", str(made["src"]), "--out", str(out), "--types", "Q8_0", *tool])
+        assert f"pid {p.pid}" in msg and "mosaic ladder" in msg
+
+
+def test_the_ladder_plans_builds_and_audits(made: dict[str, Path], tmp_path: Path) -> None:
+    """--ladder DIR: the rung of fewest bytes is the base (a tie goes to the type earlier in the contract's list:
+    IQ4_NL before Q4_0), every other rung a donor named by its type; the plan builds and audits."""
+    m = mosaic.measure(ladder=made["rungs"], reference=made["src"], method="weights", unit="module-group",
+                       out=tmp_path / "m.json")
+    doc = m.document
+    assert Path(doc["base"]["source"]).name == "wide-F16-IQ4_NL.gguf"
+    assert list(doc["donors"]) == ["q4_0", "q4_k", "q5_0", "q6_k", "q8_0"]
+    p = mosaic.plan(ladder=made["rungs"], scores=tmp_path / "m.json", max_size=made["rungs"].joinpath(
+        "wide-F16-Q5_0.gguf").stat().st_size, out=tmp_path / "plan.yaml")
+    assert p.chosen and {c["donor"] for c in p.chosen} <= {"q4_0", "q4_k", "q5_0", "q6_k", "q8_0"}
+    built = mosaic.build(p.out, out=tmp_path / "built")
+    assert sum(f.stat().st_size for f in built.out.glob("*.gguf")) == p.report["predicted_size"]
+    assert mosaic.audit(built.out).ok
+    # --ladder stands in for --base/--donor, never beside them
+    r = CliRunner().invoke(main, ["plan", "--ladder", str(made["rungs"]), "--base", str(made["src"]), "--scores",
+                                  str(tmp_path / "m.json"), "--layers", "1"])
+    assert r.exit_code == 2 and "instead of --base/--donor" in r.output
+
+
+def test_a_rung_that_changed_is_refused_and_alike_versions_are_one(made: dict[str, Path], tmp_path: Path) -> None:
+    lad = tmp_path / "lad"
+    shutil.copytree(made["rungs"], lad)
+    doc = json.loads((lad / "ladder.json").read_text())
+    # a rung recorded twice under two types (same bytes): each unit's version is measured once, under the first name
+    q8 = next(r for r in doc["rungs"] if r["type"] == "Q8_0")
+    shutil.copyfile(lad / q8["file"], lad / "copy-Q8_0.gguf")
+    doc["rungs"].append({**q8, "type": "Q5_1", "id": "q5_1", "file": "copy-Q8_0.gguf"})
+    (lad / "ladder.json").write_text(json.dumps(doc))
+    m = mosaic.measure(ladder=lad, reference=made["src"], method="weights", unit="module-group", out=tmp_path / "m.json")
+    donors = {r["donor"] for r in m.results}
+    assert "q5_1" in donors or "q8_0" in donors
+    assert not ("q5_1" in donors and "q8_0" in donors)
+    # a changed rung is refused before anything runs, naming it
+    data = bytearray((lad / "copy-Q8_0.gguf").read_bytes())
+    data[-1] ^= 1
+    (lad / "copy-Q8_0.gguf").write_bytes(bytes(data))
+    r = CliRunner().invoke(main, ["measure", "--ladder", str(lad), "--reference", str(made["src"]), "--method", "weights",
+                                  "--out", str(tmp_path / "m2.json")])
+    assert r.exit_code == 2 and "copy-Q8_0.gguf is not the Q5_1 rung" in r.output
+    assert not (tmp_path / "m2.json").exists()
