@@ -19,12 +19,19 @@ import pytest
 
 from mosaic._eval import panel, worker_main
 from mosaic._eval.rowpool import RowPool, Scratch
+from mosaic._eval.run import CHUNK_FLOATS
 from mosaic._eval.scoring import Job, Outcome, score
 
 THREADS = (1, 2, 3)
 #: (positions, vocabulary, rows per block): one position; 23 positions in blocks of 3 (8 blocks, the last of 2);
-#: 170 positions of SmolLM2's vocabulary in the run's own blocks (1 << 20 floats: 21 rows, 9 blocks).
-SHAPES = ((1, 4099, 1), (23, 32003, 3), (170, 49152, (1 << 20) // 49152))
+#: 170 positions of SmolLM2's vocabulary in the run's own blocks (5 rows, 34 blocks). The serial panel took
+#: 1 << 20 floats' worth of rows at a time (21 here): the blocks differ from its, the numbers may not.
+SHAPES = ((1, 4099, 1), (23, 32003, 3), (170, 49152, max(1, CHUNK_FLOATS // 49152)))
+
+
+def _serial_rows(vocab: int) -> int:
+    """The serial panel's positions at a time: 1 << 20 floats' worth."""
+    return max(1, (1 << 20) // vocab)
 
 
 # ------------------------------------------------------------------------------- the serial panel, frozen
@@ -177,8 +184,9 @@ def test_exact_kl_top1_nll_and_top_k_are_the_same_at_every_thread_count(n: int, 
                 results.append(_outcome_arrays(o))
     for r in results[1:]:
         _assert_same(results[0], r)
-    # the previous serial panel's numbers, bitwise (nxt: the job's text is 0..n, so its next tokens are 1..n)
-    old = _old_panel(t, None, c, np.arange(1, n + 1), 8, rows)
+    # the previous serial panel's numbers, bitwise, in its own blocks (nxt: the job's text is 0..n, so its next
+    # tokens are 1..n)
+    old = _old_panel(t, None, c, np.arange(1, n + 1), 8, _serial_rows(vocab))
     got = results[0]
     for key, mine in (("top1", "top10"), ("kl", "kl0"), ("nll", "nll0"), ("ids", "ids"), ("lp", "lp")):
         assert np.array_equal(old[key], got[mine]), key
@@ -195,7 +203,7 @@ def test_the_top_k_lower_bound_is_the_same_at_every_thread_count(n: int, vocab: 
             results.append(_outcome_arrays(o))
     for r in results[1:]:
         _assert_same(results[0], r)
-    old = _old_panel(None, saved, c, np.arange(1, n + 1), 8, rows)
+    old = _old_panel(None, saved, c, np.arange(1, n + 1), 8, _serial_rows(vocab))
     for key in ("top1", "kl", "nll"):
         assert np.array_equal(old[key], results[0][f"{key}0"]), key
     assert np.all(results[0]["kl0"] >= 0.0)
