@@ -5,9 +5,9 @@ batch of logits is never copied between processes, and in mosaic's own process f
 teacher is a live model (the exact KL) or a saved top-k (the KL lower bound); each batch of positions is cut
 into blocks of ``chunk`` floats' worth of rows (:mod:`.panel`), scored on a pool of threads (:mod:`.rowpool`,
 as many as the decode's ``--threads``: decode and panel take turns, so the panel uses the cores the decode
-just used). The panel's temporaries stay O(threads × chunk) — never more than a batch's logits — whatever the
-window, the row or the text, and the numbers do not depend on the thread count: the blocks are the same at any
-count and gathered in order.
+just used). The panel's temporaries are five arrays of ``chunk`` floats per thread at work (no more threads
+work than a batch has blocks), whatever the window, the row or the text, and the numbers do not depend on the
+thread count: the blocks are the same at any count and gathered in order.
 """
 
 from __future__ import annotations
