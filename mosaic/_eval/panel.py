@@ -15,6 +15,12 @@ in float64 and split into its float32 part, subtracted from every logit, and the
 the position's total. So the figures equal a float64 computation from the same logits to ~1e-7 (tested to
 1e-6 on real models), and the order of the logits decides top-1 and top-k, never rounded log-probabilities:
 ties break as in float64, the lower token id first.
+
+Every step works on each position's row alone (a row's sums are its own), so a batch may be cut into blocks of
+rows anywhere and scored on any number of threads (:mod:`.rowpool`) with the same numbers to the last bit. The
+steps write into arrays the caller passes (a thread's :class:`~mosaic._eval.rowpool.Scratch`) where it has
+them, and each walk over the vocabulary does what it can at once: the maximum is read at the first argmax, so
+one pass gives both the shift of the exponentials and top-1.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from mosaic._eval.rowpool import Scratch
 
 
 @dataclass
@@ -34,6 +42,7 @@ class LogProbs:
     logits: np.ndarray  # float32 [n, V]: the order of the tokens (top-1, top-k) is read here
     e: np.ndarray  # float32 [n, V]: exp(logits − max), whose float64 sum is ``total``
     total: np.ndarray  # float64 [n]
+    top1: np.ndarray  # int64 [n]: each row's first maximum of the logits (ties: the lower id)
 
     def mass_outside(self, ids: np.ndarray) -> np.ndarray:
         """The probability outside the tokens ``ids`` [n, k], as the sum of the rest of the vocabulary (so that
@@ -49,16 +58,22 @@ class LogProbs:
         return got if ids.ndim == 2 else got[:, 0]
 
 
-def log_probs(logits: np.ndarray) -> LogProbs:
-    """One pass of float32 temporaries the size of ``logits``; the sums in float64."""
+def log_probs(logits: np.ndarray, scratch: Scratch | None = None, name: str = "") -> LogProbs:
+    """Five walks over the vocabulary (argmax, shift, exp, float64 sum, the log-sum-exp's float32 part off),
+    float32 temporaries the size of ``logits`` (``scratch``'s ``name`` arrays, when given), the sums in float64.
+    The maximum is the logit at the first argmax: the same value as ``max`` (a NaN included), found in the
+    pass that gives top-1."""
     x = np.asarray(logits, dtype=np.float32)
-    lp = x - x.max(axis=-1, keepdims=True)
-    e = np.exp(lp)
+    top1 = x.argmax(axis=-1)
+    lp = scratch.array(f"{name}lp", x.shape) if scratch is not None else None
+    e = scratch.array(f"{name}e", x.shape) if scratch is not None else None
+    lp = np.subtract(x, np.take_along_axis(x, top1[:, None], axis=-1), out=lp)
+    e = np.exp(lp, out=e)
     total = e.sum(axis=-1, dtype=np.float64)
     lse = np.log(total)
     head = lse.astype(np.float32)
     lp -= head[:, None]
-    return LogProbs(lp, lse - head.astype(np.float64), x, e, total)
+    return LogProbs(lp, lse - head.astype(np.float64), x, e, total, top1)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -69,12 +84,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x
 
 
-def kl_exact(teacher: LogProbs, cand: LogProbs) -> np.ndarray:
+def kl_exact(teacher: LogProbs, cand: LogProbs, out: np.ndarray | None = None) -> np.ndarray:
     """Σ p (log p − log q) per position. The teacher's p is ``e / total`` (its exponentials, already at hand, over
     their float64 sum, which is 1 × total exactly), and log p − log q is ``(lp_t − rest_t) − (lp_c − rest_c)``:
     Σ e (lp_t − lp_c) is formed in float32 products and a float64 sum, divided by the total, and the rests are
-    applied once. No second exponential over the vocabulary."""
-    d = teacher.lp - cand.lp
+    applied once. No second exponential over the vocabulary; the products are formed in ``out`` when given."""
+    d = np.subtract(teacher.lp, cand.lp, out=out)
     d *= teacher.e
     kl = d.sum(axis=-1, dtype=np.float64) / teacher.total - (teacher.rest - cand.rest)
     return np.maximum(kl, 0.0)
@@ -124,7 +139,8 @@ class Scores:
 
 
 def position_scores(teacher_top1: np.ndarray, kl: np.ndarray, cand: LogProbs, next_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    agree = (cand.logits.argmax(axis=-1) == teacher_top1).astype(np.float64)
+    """Top-1 agreement (float64 0/1), the KL as given, and the NLL of the text's next tokens, per position."""
+    agree = (cand.top1 == teacher_top1).astype(np.float64)
     nll = -cand.at(next_tokens)
     return agree, kl, nll
 

@@ -35,13 +35,17 @@ from mosaic._eval.backends import (
 )
 from mosaic._eval.panel import Scores, compare, summarize
 from mosaic._eval.reference import Reference, is_reference_file, load_reference
+from mosaic._eval.rowpool import RowPool
 from mosaic._eval.rows import Rows, load_rows
-from mosaic._eval.runtime import RuntimeInfo
+from mosaic._eval.runtime import RuntimeInfo, default_threads
 from mosaic._eval.scoring import Job, positions, score
 from mosaic._eval.worker import RemoteModel, get_runtime, score_in_worker
 
-#: float32 log-probabilities held at a time per model (positions × vocabulary): 4 MiB each.
-CHUNK_FLOATS = 1 << 20
+#: float32 log-probabilities of one block of positions per model (positions × vocabulary): 1 MiB each, per panel
+#: thread. Small enough that a block's five arrays stay near the core's cache and a batch makes enough blocks
+#: for many threads (170 positions × 49,152 tokens: 34), large enough that the Python between numpy's loops
+#: (~50 µs a block, holding the GIL) is a few percent of the block's work.
+CHUNK_FLOATS = 1 << 18
 DEFAULT_CTX = 512
 DEFAULT_TOP_K = 32
 
@@ -173,7 +177,8 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
         checks.clear()  # every header parsed (token lists, merges: megabytes) is done with once the models are open
         used = get_runtime(req.runtime, threads=req.threads, verbose=req.verbose, gpu_layers=req.gpu_layers).info if any(
             isinstance(b, GGUFBackend) for b in [*cands, *([teacher.live] if teacher.live else [])]) else None
-        scores, kept = _score(teacher, cands, ctx, progress, len(rows.texts), keep=req.save_reference is not None)
+        scores, kept = _score(teacher, cands, ctx, progress, len(rows.texts), keep=req.save_reference is not None,
+                              threads=req.threads)
     exact = teacher.live is not None
     results = [summarize(c.name, s, exact) for c, s in zip(cands, scores)]
     doc: dict[str, object] = {
@@ -235,9 +240,10 @@ def _remote(b: Backend) -> RemoteModel | None:
 
 
 def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter, n_rows: int,
-           keep: bool = False) -> tuple[list[Scores], tuple[list[np.ndarray], list[np.ndarray]]]:
+           keep: bool = False, threads: int | None = None) -> tuple[list[Scores], tuple[list[np.ndarray], list[np.ndarray]]]:
     """Every candidate's per-position scores; with ``keep``, the live teacher's top-k of every position. GGUF
-    models are scored in their llama.cpp worker, where their logits are; EXL3 models here."""
+    models are scored in their llama.cpp worker, where their logits are (on the worker's own panel threads);
+    EXL3 models here, on ``threads`` panel threads (default: every core) for this one panel."""
     what = f"{n_rows} rows, {len(cands)} candidate(s)" if cands else f"{n_rows} rows, the teacher alone"
     advance = progress.step(f"{what} against {teacher.name}", positions(teacher.row_tokens, ctx))
     saved = teacher.saved
@@ -248,5 +254,6 @@ def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter
     if len(remote) == len(cands) and (live is not None) == (teacher.live is not None):
         out = score_in_worker(job, live, remote, advance)
     else:
-        out = score(job, teacher.live, cands, advance)
+        with RowPool(threads or default_threads()) as pool:
+            out = score(job, teacher.live, cands, advance, pool)
     return out.scores, (out.kept_ids, out.kept_lp)

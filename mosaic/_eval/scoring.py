@@ -2,21 +2,26 @@
 
 It runs where the logits are: in the llama.cpp worker process for GGUF models (:mod:`.worker_main`), so a
 batch of logits is never copied between processes, and in mosaic's own process for EXL3 models on a GPU. The
-teacher is a live model (the exact KL) or a saved top-k (the KL lower bound); each batch of positions is
-scored ``chunk`` positions at a time (:mod:`.panel`), so the panel's temporaries stay
-O(chunk × vocabulary) whatever the window, the row or the text.
+teacher is a live model (the exact KL) or a saved top-k (the KL lower bound); each batch of positions is cut
+into blocks of ``chunk`` floats' worth of rows (:mod:`.panel`), scored on a pool of threads (:mod:`.rowpool`,
+as many as the decode's ``--threads``: decode and panel take turns, so the panel uses the cores the decode
+just used). The panel's temporaries are five arrays of ``chunk`` floats per thread at work (no more threads
+work than a batch has blocks), whatever the window, the row or the text, and the numbers do not depend on the
+thread count: the blocks are the same at any count and gathered in order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import numpy as np
 
 from mosaic._base.errors import FormatError, MosaicError
 from mosaic._eval.panel import LogProbs, Scores, kl_exact, kl_lower_bound, log_probs, position_scores, top_k
+from mosaic._eval.rowpool import RowPool, Scratch
 
 
 class Decoder(Protocol):
@@ -57,8 +62,60 @@ class Outcome:
     kept_lp: list[np.ndarray] = field(default_factory=list)
 
 
-def score(job: Job, live: Decoder | None, cands: Sequence[Decoder], advance: Callable[[int], None]) -> Outcome:
-    """Every candidate's per-position scores; with ``job.keep``, the live teacher's top-k of every position."""
+@dataclass
+class _Block:
+    """One block of rows scored: the live teacher's kept top-k (with ``Job.keep``), each candidate's scores."""
+
+    kept: tuple[np.ndarray, np.ndarray] | None
+    cands: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _score_block(job: Job, teacher: np.ndarray | None, saved: tuple[np.ndarray, np.ndarray] | None,
+                 cands: Sequence[np.ndarray], nxt: np.ndarray, scratch: Scratch) -> _Block:
+    """The panel of one block of rows, every model's walks over the vocabulary in the thread's own scratch:
+    the teacher's log-probabilities are kept while each candidate's are made, compared and dropped."""
+    t_lp: LogProbs | None = None
+    kept = None
+    if teacher is not None:
+        t_lp = log_probs(teacher, scratch, "teacher.")
+        if job.keep:
+            ids, lps = top_k(t_lp, job.k)
+            kept = (ids, lps)
+        else:  # only the teacher's top-1 is scored: the first maximum is top_k's first, ties included
+            ids = t_lp.top1[:, None]
+    else:
+        assert saved is not None
+        ids, lps = saved
+    if cands and int(ids.max(initial=0)) >= cands[0].shape[1]:
+        raise FormatError("the saved reference names tokens beyond the candidates' vocabulary")
+    got = []
+    for cp in cands:
+        c_lp = log_probs(cp, scratch, "cand.")
+        if t_lp is not None:
+            kl = kl_exact(t_lp, c_lp, scratch.array("kl", c_lp.lp.shape))
+        else:
+            kl = kl_lower_bound(ids, lps, c_lp)
+        got.append(position_scores(ids[:, 0], kl, c_lp, nxt))
+    return _Block(kept, got)
+
+
+def _score_at(job: Job, teacher: np.ndarray | None, cands: Sequence[np.ndarray],
+              saved: tuple[np.ndarray, np.ndarray] | None, nxt: np.ndarray, bounds: Sequence[tuple[int, int]],
+              i: int, scratch: Scratch) -> _Block:
+    """Block ``i`` (rows ``bounds[i]``) of a batch: what :meth:`RowPool.map` runs."""
+    a, b = bounds[i]
+    return _score_block(job, teacher[a:b] if teacher is not None else None,
+                        (saved[0][a:b], saved[1][a:b]) if saved is not None else None,
+                        [cp[a:b] for cp in cands], nxt[a:b], scratch)
+
+
+def score(job: Job, live: Decoder | None, cands: Sequence[Decoder], advance: Callable[[int], None],
+          pool: RowPool | None = None) -> Outcome:
+    """Every candidate's per-position scores; with ``job.keep``, the live teacher's top-k of every position.
+    Each batch is cut into blocks of ``job.chunk`` floats' worth of rows, whatever the threads, and the blocks
+    are scored on ``pool`` (the caller's thread without one) and gathered in order: the numbers are the same at
+    any thread count."""
+    pool = pool or RowPool(1)
     scores = [Scores([], [], []) for _ in cands]
     out = Outcome(scores)
     models: list[Decoder] = ([live] if live is not None else []) + list(cands)
@@ -77,32 +134,20 @@ def score(job: Job, live: Decoder | None, cands: Sequence[Decoder], advance: Cal
                 m_ = pieces[0].shape[0]
                 if any(p.shape[0] != m_ for p in pieces):
                     raise MosaicError("the models handed back batches of different sizes")
-                for a in range(0, m_, chunk):
-                    b = min(a + chunk, m_)
-                    s0, s1 = off + a, off + b
-                    t_lp: LogProbs | None = None
-                    if live is not None:
-                        t_lp = log_probs(pieces[0][a:b])
-                        if job.keep:
-                            ids, lps = top_k(t_lp, job.k)
-                            out.kept_ids.append(ids)
-                            out.kept_lp.append(lps)
-                        else:  # only the teacher's top-1 is scored: the first maximum is top_k's first, ties included
-                            ids = t_lp.logits.argmax(axis=-1)[:, None]
-                        cand_pieces = pieces[1:]
-                    else:
-                        assert job.saved_ids is not None and job.saved_lp is not None
-                        ids = job.saved_ids[pos + s0:pos + s1]
-                        lps = job.saved_lp[pos + s0:pos + s1]
-                        if ids.shape[0] != s1 - s0:
-                            raise FormatError("the saved reference holds fewer positions than the text needs; saved for another --ctx?")
-                        cand_pieces = pieces
-                    if cand_pieces and int(ids.max(initial=0)) >= cand_pieces[0].shape[1]:
-                        raise FormatError("the saved reference names tokens beyond the candidates' vocabulary")
-                    for ci, cp in enumerate(cand_pieces):
-                        c_lp = log_probs(cp[a:b])
-                        kl = kl_exact(t_lp, c_lp) if t_lp is not None else kl_lower_bound(ids, lps, c_lp)
-                        agree, kl, nll = position_scores(ids[:, 0], kl, c_lp, nxt[s0:s1])
+                saved: tuple[np.ndarray, np.ndarray] | None = None
+                if live is None:
+                    assert job.saved_ids is not None and job.saved_lp is not None
+                    saved = (job.saved_ids[pos + off:pos + off + m_], job.saved_lp[pos + off:pos + off + m_])
+                    if saved[0].shape[0] != m_:
+                        raise FormatError("the saved reference holds fewer positions than the text needs; saved for another --ctx?")
+                teacher, cand_pieces = (pieces[0], pieces[1:]) if live is not None else (None, pieces)
+                bounds = [(a, min(a + chunk, m_)) for a in range(0, m_, chunk)]
+                score_one = partial(_score_at, job, teacher, cand_pieces, saved, nxt[off:off + m_], bounds)
+                for blk in pool.map(score_one, len(bounds)):
+                    if blk.kept is not None:
+                        out.kept_ids.append(blk.kept[0])
+                        out.kept_lp.append(blk.kept[1])
+                    for ci, (agree, kl, nll) in enumerate(blk.cands):
                         parts[ci][0].append(agree)
                         parts[ci][1].append(kl)
                         parts[ci][2].append(nll)

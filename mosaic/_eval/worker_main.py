@@ -5,7 +5,8 @@ process that has llama.cpp loaded), it reads requests from ``IN_FD`` and answers
 (:mod:`.wire`); its stdout and stderr are its parent's choice (a file it reads back when llama.cpp dies, or the
 terminal with ``--verbose``), never the protocol. It writes no core file, ignores the terminal's Ctrl-C (its
 parent stops it) and dies with its parent. A refusal (:class:`~mosaic.MosaicError`) is answered as one; a
-``GGML_ASSERT`` or an out-of-memory kill ends the process, and the parent says so in one line.
+``GGML_ASSERT`` or an out-of-memory kill ends the process, and the parent says so in one line. The panel's
+threads (:mod:`.rowpool`) are made once, at ``init``, as many as the runtime decodes with, and ended on exit.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from mosaic._base.errors import MosaicError
 from mosaic._base.faults import point
+from mosaic._eval.rowpool import RowPool
 from mosaic._eval.runtime import LoadedModel, Runtime, in_process_runtime
 from mosaic._eval.scoring import Job, score
 from mosaic._eval.wire import WireError, recv, send
@@ -62,8 +64,15 @@ class _Server:
     def __init__(self, out: BinaryIO) -> None:
         self.out = out
         self.rt: Runtime | None = None
+        self.pool: RowPool | None = None  # the panel's threads, as many as the runtime decodes with
         self.models: dict[int, _Model] = {}
         self.next = 1
+
+    def close(self) -> None:
+        """Ends the panel's threads (the models end with the process)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     def note(self, doing: str) -> None:
         send(self.out, {"doing": doing})
@@ -72,6 +81,8 @@ class _Server:
         op = head["op"]
         if op == "init":
             self.rt = in_process_runtime(head["runtime"], head["threads"], head["verbose"], head.get("gpu_layers"))
+            if self.pool is None:
+                self.pool = RowPool(self.rt.info.threads)
             return {"ok": self.rt.info.as_dict(), "note": self.rt.info.note}, None
         assert self.rt is not None, "init first"
         if op == "ping":
@@ -114,7 +125,7 @@ class _Server:
                   arrays.get("saved_ids"), arrays.get("saved_lp"))
         live = self.models[head["live"]] if head.get("live") is not None else None
         cands = [self.models[h] for h in head["cands"]]
-        got = score(job, live, cands, lambda n: send(self.out, {"advance": n}))
+        got = score(job, live, cands, lambda n: send(self.out, {"advance": n}), self.pool)
         out: dict[str, np.ndarray] = {}
         lengths = []
         for ci, s in enumerate(got.scores):
@@ -132,6 +143,13 @@ def main(argv: list[str]) -> int:
     inp = os.fdopen(int(argv[0]), "rb")
     out = os.fdopen(int(argv[1]), "wb")
     server = _Server(out)
+    try:
+        return _serve(server, inp, out)
+    finally:
+        server.close()
+
+
+def _serve(server: _Server, inp: BinaryIO, out: BinaryIO) -> int:
     while True:
         try:
             head, arrays = recv(inp)

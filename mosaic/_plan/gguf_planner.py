@@ -28,7 +28,7 @@ from mosaic._build.gguf_plan import GGUFPlan, check_same_model, mosaic_keys, pla
 from mosaic._checkpoint.gguf_model import GGUFModel, parse_name
 from mosaic._formats.gguf_container import align, layout
 from mosaic._plan.measurement import measurement_in
-from mosaic._plan.planner import recipe_lock
+from mosaic._plan.planner import recipe_lock, write_recipe
 from mosaic._plan.scores import ScoresError, read_scores_file
 from mosaic._plan.solver import Option, Solution, choose_count, greedy, shift, solve_pareto
 from mosaic._plan.units import PlanError
@@ -357,6 +357,5 @@ def _plan_gguf_mosaic(r: object) -> tuple[dict, str, GGUFPlan, list[str]]:
         report["predicted_dkl"] = round(sum(choice.predicted[(o.unit, o.donor)] for o in best.picks), 9)
         report["unit"] = choice.kind
     if r.out is not None:  # type: ignore[attr-defined]
-        r.out.parent.mkdir(parents=True, exist_ok=True)  # type: ignore[attr-defined]
-        r.out.write_text(text, encoding="utf-8")  # type: ignore[attr-defined]
+        write_recipe(r.out, text)  # type: ignore[attr-defined]
     return report, text, plan, notes

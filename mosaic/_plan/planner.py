@@ -21,6 +21,8 @@ This module owns the planning problem end to end, without writing anything but t
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import re
 from collections.abc import Sequence
@@ -33,8 +35,10 @@ from pathlib import Path
 import yaml
 
 from mosaic._base.errors import MosaicError, OutputError, SourceError, VerificationError
+from mosaic._base.faults import point
 from mosaic._base.lock import output_lock
 from mosaic._build.layout import BuildPlan, make_plan
+from mosaic._build.run import fsync_dir
 from mosaic._checkpoint.census_exl3 import Analysis
 from mosaic._checkpoint.exl3 import is_decoder_linear
 from mosaic._plan.costs import SizeModel, bit_weight_deltas
@@ -244,6 +248,32 @@ def recipe_lock(out: Path | None) -> AbstractContextManager[object]:
     return output_lock(out, "mosaic plan")
 
 
+def write_recipe(out: Path, text: str) -> None:
+    """Write the planned recipe under its lock: whole or not at all. The text goes to a temporary sibling
+    (``planned.yaml.<pid>.tmp``, in the recipe's folder so the rename stays on one file system), is fsynced and
+    renamed over ``out``, so a plan killed mid-write leaves the previous recipe (or none), never part of one; a
+    failure removes the temporary. A temporary a killed plan left is removed here: under the lock, no other plan
+    of this recipe is writing one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f"{glob.escape(out.name)}.*.tmp"):
+        if stale.name[len(out.name) + 1:-len(".tmp")].isdigit():
+            with contextlib.suppress(OSError):
+                stale.unlink()
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        point("plan-write")
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(out.parent)
+
+
 def plan_mosaic(req: PlanRequest) -> PlanResult:
     """Solve the request and return the report, the recipe text and the real build plan of it (with ``out``,
     written there under its lock)."""
@@ -368,8 +398,7 @@ def _plan_mosaic(req: PlanRequest, ids: list[str]) -> PlanResult:
         notes.append("read from the hub by ranges (configs and shard headers only): "
                      + ", ".join(f"{sid} {n:,} bytes" for sid, n in hub_bytes.items()))
     if req.out is not None:
-        req.out.parent.mkdir(parents=True, exist_ok=True)
-        req.out.write_text(text, encoding="utf-8")
+        write_recipe(req.out, text)
     return PlanResult(report, text, plan, notes)
 
 
