@@ -1,6 +1,6 @@
 """mosaic's benchmark suite: mosaic against the plain baselines on the same data, in one run, as ratios.
 
-    python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,eval,measure] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--eval-ctx 512] [--no-write]
+    python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,plan-ladder,eval,measure] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--eval-ctx 512] [--no-write]
 
 This file is the command line only. Each case is a module of ``bench/cases/`` named for it (``gguf-stream``:
 ``gguf_stream.py``), over ``bench/harness.py``: the data, the timing, the peak memory and the results table
@@ -36,6 +36,7 @@ from cases.measure import case_measure
 from cases.memory import case_memory
 from cases.metadata import case_metadata
 from cases.panel import case_panel
+from cases.plan_ladder import case_plan_ladder
 from cases.stream import case_stream
 from harness import DATA, ROOT, ROWS, machine, write_results
 
@@ -49,7 +50,7 @@ from harness import scores_for as scores_for
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,eval,measure")
+    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,plan-ladder,eval,measure")
     ap.add_argument("--stream-gb", type=float, default=0.5, help="model size of the stream case (held in memory by the local hub)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--size-gb", type=float, default=2.0)
@@ -85,6 +86,8 @@ def main() -> int:
         case_gguf_stream(args.runs, args.stream_gb)
     if "panel" in cases:
         case_panel(args.runs)
+    if "plan-ladder" in cases:
+        case_plan_ladder(args.runs)
     if "eval" in cases:
         case_eval(args.runs, args.eval_ctx)
     if "measure" in cases:

@@ -60,6 +60,33 @@ def test_shifted_solver_is_the_brute_force_optimum(seed: int) -> None:
     assert all(o.cost >= 0 for row in sh.rows for o in row)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_a_search_cut_short_is_feasible_and_its_gap_holds_the_optimum(seed: int) -> None:
+    """With room for a few states only, the answer is no longer proven optimal: it fits, and the optimum lies
+    within the gap it reports (the Lagrangian bound at the root)."""
+    rng = random.Random(100 + seed)
+    rows = []
+    for u in range(7):
+        row = [Option(u, -1, "base", 0, Fraction(0))]
+        for k in range(4):
+            cost = rng.randint(-30, 60)
+            row.append(Option(u, k, f"d{k}", cost, Fraction(rng.randint(-20, 40) + cost // 3, 11)))
+        rows.append(row)
+    sh = shift(rows)
+    room = sh.floor_cost + rng.randint(0, 120)
+    want = _brute(rows, room)
+    assert want is not None
+    full = solve_pareto(sh.rows, room - sh.floor_cost)
+    assert full is not None and full.gap == 0.0
+    assert sum((o.score for o in sh.unshift(full)), Fraction(0)) == want
+    cut = solve_pareto(sh.rows, room - sh.floor_cost, max_states=2)
+    assert cut is not None
+    versions = sh.unshift(cut)
+    got = sum((o.score for o in versions), Fraction(0))
+    assert sum(o.cost for o in versions) <= room and got <= want
+    assert float(want - got) <= cut.gap + 1e-9
+
+
 def test_upgrades_only_are_unchanged_by_the_shift() -> None:
     """Where no version is cheaper than the base's, the shifted problem is the upgrade problem itself."""
     rows = [[Option(u, -1, "base", 0, Fraction(0)), Option(u, 0, "q8", 10 + u, Fraction(5 - u))] for u in range(4)]

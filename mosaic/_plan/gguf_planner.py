@@ -248,13 +248,14 @@ def _both_ways(options: list[list[Option]], room: int, asked: str, smallest: Cal
         return sh.floor_cost + sum(o.cost for o in picks)
 
     rough = greedy(sh.rows, lambda picks: cost(picks) <= room)
-    return _unshifted(sh.unshift(exact)), _unshifted(sh.unshift(rough))
+    return _unshifted(sh.unshift(exact), exact.gap), _unshifted(sh.unshift(rough))
 
 
-def _unshifted(versions: list[Option]) -> Solution:
+def _unshifted(versions: list[Option], gap: float = 0.0) -> Solution:
     """A solution in the original space: the units away from the base's version, with their own costs and scores."""
     picks = [o for o in versions if o.donor != BASE]
-    return Solution(picks, sum((o.score for o in picks), Fraction(0)), (tuple(o.unit for o in picks), tuple(o.rank for o in picks)))
+    return Solution(picks, sum((o.score for o in picks), Fraction(0)),
+                    (tuple(o.unit for o in picks), tuple(o.rank for o in picks)), gap)
 
 
 def plan_gguf_mosaic(req: object) -> tuple[dict, str, GGUFPlan, list[str]]:
@@ -348,7 +349,11 @@ def _plan_gguf_mosaic(r: object) -> tuple[dict, str, GGUFPlan, list[str]]:
         "score": float(best.score),
         "rate": {"exact": f(rates["exact"]), "by_bytes": f(rates["by_bytes"]), "by_layer_mass": f(rates["by_layer_mass"])},
         "greedy": {"chosen": listing(greedy_sol), "predicted_size": size(greedy_sol.picks), "score": float(greedy_sol.score)},
+        # 0: the choice is proven optimal; else the most the optimum can exceed "score" (a search cut short)
+        "gap": best.gap,
     }
+    if best.gap > 0:
+        notes.append(f"the search was cut short: the optimum scores at most {best.gap:.3g} more than this plan")
     if hub:
         report["hub_bytes_read"] = {sid: snap.reader.bytes_read for sid, snap in hub.items()}
         notes.append("read from the hub by ranges (GGUF headers only): " + ", ".join(

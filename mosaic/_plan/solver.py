@@ -7,6 +7,7 @@ layer list is lexicographically smallest wins (CONTRACT.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -32,6 +33,8 @@ class Solution:
     picks: list[Option]
     score: Fraction
     key: tuple[tuple[int, ...], tuple[int, ...]]
+    #: how far the optimum may lie above ``score`` (0: proven optimal); > 0 only where the search was cut short
+    gap: float = 0.0
 
 
 def _key(picks: Sequence[Option]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -71,35 +74,128 @@ def _decided_better(a: tuple[Option, ...], b: tuple[Option, ...]) -> bool:
     return [o.rank for o in a] <= [o.rank for o in b]
 
 
-def solve_pareto(options: Sequence[Sequence[Option]], budget: int) -> Solution | None:
+@dataclass(frozen=True)
+class _Bound:
+    """The Lagrangian bound of the LP relaxation, to prune the dynamic programme: for any ``lam`` ≥ 0 and a state
+    that fixed units ``< i`` at (cost, score), no completion scores more than ``score − lam × cost + lam × budget +
+    rest[i]``, ``rest[i]`` = Σ over later units of their best ``s − lam × c`` (0 for taking nothing). With ``lam``
+    the LP optimum's multiplier the bound is the LP relaxation's at the root, which exceeds the integer optimum
+    by less than one unit's step; ``floor`` is the score of a feasible choice (the LP solution rounded down, or
+    the greedy one), so a state whose bound falls below it cannot lead to the optimum."""
+
+    lam: float
+    rest: list[float]
+    floor: float
+    slack: float  # float rounding allowance: a state is dropped only when its bound is below floor by more
+
+    def keeps(self, i: int, cost: int, score: float, budget: int) -> bool:
+        return score - self.lam * cost + self.lam * budget + self.rest[i] >= self.floor - self.slack
+
+
+def _lagrangian(options: Sequence[Sequence[Option]], budget: int) -> _Bound:
+    incs: list[tuple[Fraction, int, int, Fraction]] = []
+    for i, row in enumerate(options):
+        _, inc = _hull([o for o in row if o.cost <= budget])
+        incs.extend((Fraction(ds, dc), i, dc, ds) for dc, ds in inc)
+    incs.sort(key=lambda t: -t[0])
+    room, lam, lp_floor = budget, Fraction(0), Fraction(0)
+    for slope, _, dc, ds in incs:
+        if dc <= room:
+            room -= dc
+            lp_floor += ds
+        else:
+            lam = slope
+            break
+    lam_f = float(lam)
+    rest = [0.0] * (len(options) + 1)
+    for i in range(len(options) - 1, -1, -1):
+        best = max((float(o.score) - lam_f * o.cost for o in options[i] if o.score >= 0 and o.cost <= budget), default=0.0)
+        rest[i] = rest[i + 1] + max(0.0, best)
+    rough = greedy([[o for o in row if o.cost <= budget] for row in options],
+                   lambda picks: sum(o.cost for o in picks) <= budget)
+    floor = float(max(lp_floor, rough.score))
+    scale = abs(floor) + rest[0] + abs(lam_f) * budget + 1.0
+    return _Bound(lam_f, rest, floor, 1e-9 * scale)
+
+
+#: A state's picks as a chain (option, earlier chain): growing a state copies nothing.
+Chain = tuple | None
+
+#: The states the dynamic programme may grow over all units together (per unit: this over the unit count, at least
+#: ``MIN_STATES``); beyond it, the most promising by the Lagrangian bound are kept and the solution carries its
+#: proven gap (the root bound less its score) instead of being exact. Sized so that a plan of GLM-5.3's size
+#: (752 units × 19 versions) takes well under a minute on one core.
+STATE_BUDGET = 1_000_000
+MIN_STATES = 1000
+
+
+def solve_pareto(options: Sequence[Sequence[Option]], budget: int, max_states: int | None = None) -> Solution | None:
     """The same optimum as :func:`solve_knapsack` without acceptance, by dynamic programming over
     units that keeps only non-dominated (cost, score) states: a state is dropped when another costs
-    no more and scores more, or equal with a lexicographic lead no later unit can change. Exact, and
-    fast when costs repeat (every MoE layer of a model costs the same)."""
+    no more and scores more, or equal with a lexicographic lead no later unit can change, or when the
+    Lagrangian bound (:class:`_Bound`) says no completion of it can reach a choice already in hand.
+    Exact; fast when costs repeat (every MoE layer of a model costs the same) and when the LP bound is
+    tight (many versions per unit: a ladder). Where more than ``max_states`` states survive both, the most
+    promising are kept and the answer carries its proven ``gap``."""
     if budget < 0:
         return None
-    states: list[tuple[int, Fraction, tuple[Option, ...]]] = [(0, Fraction(0), ())]
+    if max_states is None:
+        max_states = max(MIN_STATES, STATE_BUDGET // max(1, len(options)))
+    bound = _lagrangian(options, budget)
+    # exact integer arithmetic: every score over one common denominator (Fractions are slow in the inner loop)
+    den = 1
     for row in options:
-        grown = list(states)
-        for c, sc, picks in states:
-            for o in row:
-                if o.score >= 0 and c + o.cost <= budget:
-                    grown.append((c + o.cost, sc + o.score, (*picks, o)))
+        for o in row:
+            den = math.lcm(den, o.score.denominator)
+    rows = [[(o, o.cost, int(o.score * den)) for o in row if o.score >= 0 and o.cost <= budget] for row in options]
+    cut = False
+    states: list[tuple[int, int, Chain]] = [(0, 0, None)]
+    lam = bound.lam
+
+    def picks_of(chain: Chain) -> tuple[Option, ...]:
+        out = []
+        while chain is not None:
+            out.append(chain[0])
+            chain = chain[1]
+        return tuple(reversed(out))
+
+    for i, row in enumerate(rows):
+        # a state's reduced profit (score − lam × cost) plus an option's must reach what the bound needs: with the
+        # options in decreasing reduced profit, the first that falls short ends the state's options
+        need = bound.floor - bound.slack - lam * budget - bound.rest[i + 1]
+        ranked = sorted(((o, oc, os_, os_ / den - lam * oc) for o, oc, os_ in row), key=lambda t: -t[3])
+        grown = []
+        for c, sc, chain in states:
+            r = sc / den - lam * c
+            if r >= need:
+                grown.append((c, sc, chain))
+            for o, oc, os_, red in ranked:
+                if r + red < need:
+                    break
+                if c + oc <= budget:
+                    grown.append((c + oc, sc + os_, (o, chain)))
         grown.sort(key=lambda st: (st[0], -st[1]))
-        kept: list[tuple[int, Fraction, tuple[Option, ...]]] = []
-        top: Fraction | None = None
+        kept: list[tuple[int, int, Chain]] = []
+        top: int | None = None
         for st in grown:
             if top is not None and st[1] < top:
                 continue
-            if top is not None and st[1] == top and any(k[1] == top and _decided_better(k[2], st[2]) for k in kept):
+            if top is not None and st[1] == top and any(
+                    k[1] == top and _decided_better(picks_of(k[2]), picks_of(st[2])) for k in kept):
                 continue
             kept.append(st)
             top = st[1] if top is None else max(top, st[1])
+        if len(kept) > max_states:
+            cut = True
+            kept.sort(key=lambda st: -(st[1] / den - lam * st[0]))
+            kept = sorted(kept[:max_states], key=lambda st: (st[0], -st[1]))
         states = kept
-    best = max(states, key=lambda st: st[1])[1]
-    winners = [st[2] for st in states if st[1] == best]
+    best_i = max(st[1] for st in states)
+    winners = [picks_of(st[2]) for st in states if st[1] == best_i]
     picks = min(winners, key=_key)
-    return Solution(list(picks), best, _key(picks))
+    best = Fraction(best_i, den)
+    gap = max(0.0, bound.lam * budget + bound.rest[0] - float(best)) if cut else 0.0
+    return Solution(list(picks), best, _key(picks), gap)
 
 
 def solve_knapsack(options: Sequence[Sequence[Option]], budget: int,
