@@ -160,7 +160,7 @@ def test_refine_refusals_are_one_line(models: dict[str, Path], ckpt_factory, tmp
     assert "give both" in one(*_args(models, out, "--max-size", size))
     assert "not --method weights" in one(*_args(models, out, "--refine", "1", "--max-size", size, "--method", "weights"))
     assert "not with --shard" in one(*_args(models, out, "--refine", "1", "--max-size", size, "--shard", "1/2"))
-    assert "smaller than the base alone" in one(*_args(models, out, "--refine", "1", "--max-size", "1000"))
+    assert "smaller than any plan" in one(*_args(models, out, "--refine", "1", "--max-size", "1000"))
     assert "is not a size" in one(*_args(models, out, "--refine", "1", "--max-size", "lots"))
     from mosaic.testing.exl3 import Geometry as Exl3Geometry
 
@@ -168,3 +168,20 @@ def test_refine_refusals_are_one_line(models: dict[str, Path], ckpt_factory, tmp
     assert "EXL3" in one("measure", "--base", str(exl3), "--donor", f"q={exl3}", "--reference", str(models["saved"]),
                          "--text", str(models["rows"]), "--refine", "1", "--max-size", "1G", "--out", str(out))
     assert not out.exists() and not (tmp_path / "m.json.partial").exists()
+
+
+def test_moves_go_down_where_a_version_lies_below_and_up_only_from_the_bottom() -> None:
+    """Both directions: a unit at the base's version with a smaller donor below it moves down to that donor; a unit
+    at a donor's moves to the next larger error (the base's, where that is next); a unit at its worst version moves
+    up to its best. With upgrades only every number is as before: the base's version is the bottom."""
+    from mosaic._measure.refine import moves
+
+    versions = [["base", "q2", "q8"], ["base", "q2", "q8"], ["base", "q2", "q8"], ["base", "q8"]]
+    eps = {}
+    nbytes = {}
+    for ui in range(4):
+        eps.update({(ui, "base"): 0.2, (ui, "q2"): 0.5, (ui, "q8"): 0.01})
+        nbytes.update({(ui, "base"): 0, (ui, "q2"): -100, (ui, "q8"): 300})
+    plan = {1: "q8", 2: "q2"}
+    got = moves(plan, [0, 1, 2, 3], versions, eps, nbytes)
+    assert got == [(0, "base", "q2"), (1, "q8", "base"), (2, "q2", "q8"), (3, "base", "q8")]

@@ -7,9 +7,9 @@ base's own KL, and they overstate some kinds of tensor against others (cheap att
 feed-forward ones a 3-bit model needs). So, after the top-down measurement:
 
 1. plan at ``SIZE`` from the current predictions, exactly as ``mosaic plan --max-size SIZE`` would;
-2. run that plan, and for every measured unit one candidate that moves only that unit: a unit the plan takes
-   from a donor one version *down* (the next larger weight error it has, the base's at the bottom), a unit
-   left at the base's version *up* to its best version;
+2. run that plan, and for every measured unit one candidate that moves only that unit: one version *down* from
+   where the plan put it (the next larger weight error it has: a smaller donor's, or the base's), a unit already
+   at its worst version *up* to its best;
 3. per kind of unit (``attn_v``, ``ffn_down``, ...), the ratio of what those moves measured to what the
    current model predicted for them, pooled over every layer: ``r_k = Σ s·dkl / Σ |predicted|`` (``s`` the
    predicted move's sign), at least 0;
@@ -34,21 +34,22 @@ from mosaic._measure.calibrate import BASE, kind_of, unit_key
 
 def moves(plan: Mapping[int, str], selected: Sequence[int], versions: Sequence[Sequence[str]],
           eps: Mapping[tuple[int, str], float], nbytes: Mapping[tuple[int, str], int]) -> list[tuple[int, str, str]]:
-    """``(unit, from version, to version)`` for every selected unit: one version down from a donor's (the next
-    larger weight error; ties: the fewer bytes), or up from the base's to the lowest weight error. A unit with
-    nowhere to go (the base's version is its best) has none."""
+    """``(unit, from version, to version)`` for every selected unit: one version down from where the plan put it
+    (the next larger weight error; ties: the fewer bytes), the base's version included where a donor of fewer
+    bytes lies below it; a unit already at its worst version goes up to its lowest weight error instead. A unit
+    with nowhere to go (one version only) has none. With upgrades only, the base's version is the worst: a unit
+    the plan left there goes up, as before."""
     out = []
     for ui in selected:
         here = plan.get(ui, BASE)
         e = eps[(ui, here)]
-        if here != BASE:
-            worse = [v for v in versions[ui] if v != here and eps[(ui, v)] > e]
-            if worse:
-                out.append((ui, here, min(worse, key=lambda v: (eps[(ui, v)], nbytes[(ui, v)], v != BASE, v))))
-        else:
-            better = [v for v in versions[ui] if v != BASE and eps[(ui, v)] < e]
-            if better:
-                out.append((ui, here, min(better, key=lambda v: (eps[(ui, v)], nbytes[(ui, v)], v))))
+        worse = [v for v in versions[ui] if v != here and eps[(ui, v)] > e]
+        if worse:
+            out.append((ui, here, min(worse, key=lambda v: (eps[(ui, v)], nbytes[(ui, v)], v != BASE, v))))
+            continue
+        better = [v for v in versions[ui] if v != here and eps[(ui, v)] < e]
+        if better:
+            out.append((ui, here, min(better, key=lambda v: (eps[(ui, v)], nbytes[(ui, v)], v != BASE, v))))
     return out
 
 

@@ -239,8 +239,10 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
         settings["drop"] = "worst"
     if req.refine:
         assert req.max_size is not None
-        if req.max_size < side.base_bytes:
-            raise MosaicError(f"--max-size {req.max_size:,} bytes: smaller than the base alone ({side.base_bytes:,} bytes)")
+        smallest = side.base_bytes + sum(min(0, *(side.dbytes[(ui, v)] for v in vs)) for ui, vs in enumerate(side.versions))
+        if req.max_size < smallest:  # checked before anything runs; the plan of each round is exact
+            raise MosaicError(f"--max-size {req.max_size:,} bytes: smaller than any plan (every unit at its version of "
+                              f"fewest bytes is {smallest:,} bytes)")
         settings["refine"] = {"rounds": req.refine, "max_size": req.max_size}
     plan = _Plan(side, errors, req.method, measured_units, shard, req.refine, req.curve)
     if shard is not None:
