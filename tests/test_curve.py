@@ -109,7 +109,7 @@ def test_shards_of_a_two_point_measurement_merge_to_the_one_run(models: dict[str
     merged = mosaic.measure(merge=parts, out=tmp_path / "m.json").as_dict()
     one = json.loads(json.dumps(two))  # a copy
     for d in (merged, one):
-        for key in ("seconds", "seconds_per_candidate"):
+        for key in ("seconds", "seconds_per_candidate", "timing"):  # where the time went differs from run to run
             d.pop(key)
         d["runtime"].pop("threads")
     assert merged == one

@@ -219,8 +219,10 @@ def test_shards_merged_are_the_one_run(top_down: dict, smol: dict[str, Path], tm
     assert r.returncode == 0, r.stderr
     doc = json.loads(merged.read_text())
     one = json.loads(json.dumps(top_down))
+    spent = [json.loads(p.read_text())["timing"] for p in parts]  # where each part's time went, summed
+    assert doc["timing"] == {k: pytest.approx(sum(t[k] for t in spent), abs=2e-3) for k in ("load", "decode", "panel")}
     for d in (doc, one):
-        for key in ("seconds", "seconds_per_candidate"):
+        for key in ("seconds", "seconds_per_candidate", "timing"):
             d.pop(key)
         d["runtime"].pop("threads")
     assert doc == one
@@ -373,3 +375,15 @@ def test_plan_reads_a_weights_measurement_and_v1_documents(tmp_path: Path) -> No
                                   str(tmp_path / "v1.json"), "--max-size", str(size + 200_000), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["chosen"] == rep["chosen"]
+
+
+def test_where_the_time_went_is_reported_apart_from_the_runtime(top_down: dict, smol: dict[str, Path]) -> None:
+    """`timing` (load, decode, panel seconds) beside the document, never in `runtime`, which saved references and
+    `--merge` compare: a measurement's candidates were loaded, decoded and scored, and eval says the same of its own."""
+    t = top_down["timing"]
+    assert set(t) == {"load", "decode", "panel"} and t["load"] > 0 and t["decode"] > 0 and t["panel"] > 0
+    assert t["decode"] + t["panel"] + t["load"] <= top_down["seconds"]
+    assert "timing" not in (top_down["runtime"] or {})
+    ev = evaluate(EvalRequest([str(smol["Q8_0"])], str(smol["saved"]), smol["measure"]))
+    assert set(ev["timing"]) == {"load", "decode", "panel"} and ev["timing"]["decode"] > 0 and ev["timing"]["panel"] > 0
+    assert "timing" not in ev["runtime"]

@@ -47,8 +47,16 @@ METHODS: dict[str, tuple[list[str], bool, bool]] = {
     "top-down, kinds from layers 0, 15, 29, --imatrix": (["--method", "top-down", "--calibrate", "kinds", "--only-layers", "0,15,29"], False, True),
     "weights, --imatrix": (["--method", "weights"], False, True),
     "default without --imatrix": (["--method", "top-down"], False, False),
+    "ladder: default over mosaic ladder's rungs, --imatrix": (["--method", "top-down"], False, True),
 }
 DEFAULT = "default: top-down, --imatrix"
+#: The methods whose sources are the ladder ``mosaic ladder`` makes of the teacher (``--ladder DIR``), not DONORS.
+LADDER = "ladder: default over mosaic ladder's rungs, --imatrix"
+#: The ladder's types: every type llama.cpp's target-size considers, less Q4_1 (the teacher is Q4_1: that rung is
+#: lossless on it, and target-size is run without it for the same reason).
+LADDER_TYPES = ("IQ1_S,IQ1_M,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ4_XS,IQ4_NL,Q2_K,Q3_K,Q4_0,Q4_K,Q5_0,Q5_1,Q5_K,"
+                "Q6_K,Q8_0")
+TARGET_SIZE_SCRIPT = ROOT.parent / "shared" / "tools" / "target-size.sh"
 
 
 def _env() -> dict[str, str]:
@@ -136,6 +144,12 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
     donors = [a for d, name in DONORS.items() for a in ("--donor", f"{d}={q[name]}")]
     budgets = {r: _size(q[r]) for r in RIVALS}
     chosen = {k: v for k, v in METHODS.items() if any(m in k for m in methods)}
+    ladder_dir = DATA / "smollm2-ladder"
+    if LADDER in chosen:  # the rungs, made by llama.cpp's llama-quantize with the committed matrix (kept between runs)
+        t = time.perf_counter()
+        sh([*MOSAIC, "ladder", str(smol), "--out", str(ladder_dir), "--imatrix", str(committed), "--types", LADDER_TYPES,
+            "--llama-quantize", str(_tool("llama-quantize"))], env=env)
+        row("measure", "mosaic ladder: 18 rungs of the teacher (kept where made before)", f"{time.perf_counter() - t:.0f} s", "")
     docs: dict[str, dict] = {}  # "<label> @ <rival>" or "<label>" -> the measurement
     walls: dict[str, float] = {}
     built: dict[str, Path] = {}
@@ -148,21 +162,23 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
             ref = ["--reference", str(smol)] if "weights" in flags else ["--reference", str(saved), "--text", str(rows)]
             extra = (["--imatrix", str(im)] if weighted else []) + (["--max-size", str(budgets[budget])] if budget else [])
             t = time.perf_counter()
-            sh([*MOSAIC, "measure", "--base", str(q[BASE]), *donors, *ref, "--unit", "module-group", *flags, *extra,
+            sources = ["--ladder", str(ladder_dir)] if label == LADDER else ["--base", str(q[BASE]), *donors]
+            sh([*MOSAIC, "measure", *sources, *ref, "--unit", "module-group", *flags, *extra,
                 "--out", str(out)], env=env)
             walls[key] = time.perf_counter() - t
             docs[key] = json.loads(out.read_text())
             for rival in ([budget] if budget else RIVALS):
                 name = f"{label} @ {rival}"
                 recipe = work / f"plan-{len(built)}.yaml"
-                r = subprocess.run([*MOSAIC, "plan", "--base", str(q[BASE]), *donors, "--scores", str(out), "--max-size",
+                r = subprocess.run([*MOSAIC, "plan", *sources, "--scores", str(out), "--max-size",
                                     str(budgets[rival]), "--out", str(recipe), "--json"], check=True, capture_output=True,
                                    text=True, env=env)
                 plans[name] = {**json.loads(r.stdout), "measurement": key}
                 built[name] = work / f"built-{len(built)}"
                 sh([*MOSAIC, "build", str(recipe), "--out", str(built[name])], env=env)
     rivals = {f"{r} (imatrix)": q[r] for r in RIVALS}
-    models: dict[str, Path] = {f"base {BASE} (imatrix)": q[BASE], **rivals,
+    mixer = _target_size(smol, committed, budgets, work)
+    models: dict[str, Path] = {f"base {BASE} (imatrix)": q[BASE], **rivals, **mixer,
                                **{f"{r} (no imatrix)": plain[r] for r in PLAIN}, **built}
     ev = json.loads(subprocess.run([*MOSAIC, "eval", *map(str, models.values()), "--reference", str(smol), "--text", str(held),
                                     "--ctx", str(ctx), "--json"], check=True, capture_output=True, text=True, env=env).stdout)
@@ -172,7 +188,7 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
     row(case, "setup", f"base {BASE}; donors {', '.join(DONORS.values())}", f"{measure_rows} rows measured, {ev['rows']} held out "
         f"({ev['positions']} positions), ctx {ctx}, teacher the Q4_1; {ev['runtime']['name']} {ev['runtime']['version']}")
     row(case, "importance matrix", f"{CALIBRATION}, ctx 128", f"{same} tests/data's")
-    for label in (f"base {BASE} (imatrix)", *rivals, *(f"{r} (no imatrix)" for r in PLAIN)):
+    for label in (f"base {BASE} (imatrix)", *rivals, *mixer, *(f"{r} (no imatrix)" for r in PLAIN)):
         c = got[label]
         row(case, label, f"{_size(models[label]):,} bytes", f"KL {c['kl']['mean']:.4f}, p99 {c['kl']['p99']:.3f}, top-1 {c['top1']:.4f}")
     for key, doc in docs.items():
@@ -185,6 +201,11 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
         row(case, name, f"{_size(models[name]):,} bytes",
             f"KL {c['kl']['mean']:.4f} ({ratio:.2f} ± {se:.2f} × the imatrix {rival}'s), p99 {c['kl']['p99']:.3f} "
             f"(rival {r['kl']['p99']:.3f}), top-1 {c['top1']:.4f}")
+        ts = got.get(f"target-size at {rival}")
+        if ts is not None:
+            ratio, se = _ratio(c, ts)
+            row(case, f"{name} against target-size", f"{ratio:.2f} ± {se:.2f} × its KL",
+                f"p99 {c['kl']['p99']:.3f} (target-size {ts['kl']['p99']:.3f}); issue 40's goal for the ladder: ≤ 0.85")
     for rival, goal in GOAL.items():
         name = f"{DEFAULT} @ {rival}"
         if name in got:
@@ -194,6 +215,22 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
             row(case, f"goal: the default at ≤ the imatrix {rival}'s bytes", f"{ratio:.2f} ± {se:.2f} × its KL",
                 f"target ≤ {goal} and p99 ≤ the rival's: {'met' if ok else 'missed'}")
     _predicted_against_measured(plans, docs, built, saved, rows, env)
+
+
+def _target_size(teacher: Path, imatrix: Path, budgets: dict[str, int], work: Path) -> dict[str, Path]:
+    """llama.cpp's own mixer as a rival, where ``MOSAIC_BENCH_TARGET_SIZE`` names a llama-quantize built from its
+    author's fork (``../shared/tools/target-size.sh build``): ``--target-size`` at each rival's bytes, from the same
+    teacher (dequantized to F32 once) and the same importance matrix. None where it is not built."""
+    tool = os.environ.get("MOSAIC_BENCH_TARGET_SIZE")
+    if not tool or not Path(tool).is_file() or not TARGET_SIZE_SCRIPT.is_file():
+        row("measure", "target-size rival", "skipped", "MOSAIC_BENCH_TARGET_SIZE names no llama-quantize built from the fork")
+        return {}
+    out: dict[str, Path] = {}
+    for rival, n in budgets.items():
+        dst = work / f"target-size-{rival}.gguf"
+        sh(["bash", str(TARGET_SIZE_SCRIPT), "run", tool, str(teacher), str(imatrix), str(n), str(dst)])
+        out[f"target-size at {rival}"] = dst
+    return out
 
 
 def _predicted_against_measured(plans: dict[str, dict], docs: dict[str, dict], built: dict[str, Path], saved: Path,

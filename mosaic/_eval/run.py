@@ -15,6 +15,7 @@ their number.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +152,7 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
     rows = load_rows(req.text)
     if not req.candidates and req.save_reference is None:
         raise MosaicError("name at least one CANDIDATE, or --save-reference FILE to save the teacher's top-k alone")
+    started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if is_reference_file(req.reference):
             teacher = _saved_teacher(req, rows)
@@ -177,8 +179,9 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
         checks.clear()  # every header parsed (token lists, merges: megabytes) is done with once the models are open
         used = get_runtime(req.runtime, threads=req.threads, verbose=req.verbose, gpu_layers=req.gpu_layers).info if any(
             isinstance(b, GGUFBackend) for b in [*cands, *([teacher.live] if teacher.live else [])]) else None
-        scores, kept = _score(teacher, cands, ctx, progress, len(rows.texts), keep=req.save_reference is not None,
-                              threads=req.threads)
+        loaded = time.perf_counter()
+        scores, kept, spent = _score(teacher, cands, ctx, progress, len(rows.texts), keep=req.save_reference is not None,
+                                     threads=req.threads)
     exact = teacher.live is not None
     results = [summarize(c.name, s, exact) for c, s in zip(cands, scores)]
     doc: dict[str, object] = {
@@ -195,6 +198,8 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
         "rows": len(rows.texts),
         "candidates": results,
         "comparisons": [compare(results[0], r) for r in results[1:]],
+        # where the wall time went: opening and checking the models, waiting for their logits, the panel
+        "timing": {"load": round(loaded - started, 3), "decode": round(spent["decode"], 3), "panel": round(spent["panel"], 3)},
         "notes": [],
     }
     if used is not None and used.note:
@@ -222,10 +227,15 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
     return doc
 
 
-def score_against(ref: Reference, cands: list[Backend], progress: Reporter = SILENT) -> list[dict[str, object]]:
+def score_against(ref: Reference, cands: list[Backend], progress: Reporter = SILENT,
+                  timing: dict[str, float] | None = None) -> list[dict[str, object]]:
     """Each candidate scored against a saved reference as ``mosaic eval`` scores it (the KL lower bound),
-    the candidates already known to tokenize as the reference did; their panels (``summarize``)."""
-    scores, _ = _score(_Teacher.of(ref), cands, ref.ctx, progress, len(ref.row_tokens))
+    the candidates already known to tokenize as the reference did; their panels (``summarize``). ``timing``
+    (``decode``, ``panel`` seconds) is added to where given."""
+    scores, _, spent = _score(_Teacher.of(ref), cands, ref.ctx, progress, len(ref.row_tokens))
+    if timing is not None:
+        for k, v in spent.items():
+            timing[k] = timing.get(k, 0.0) + v
     return [summarize(c.name, s, False) for c, s in zip(cands, scores)]
 
 
@@ -240,7 +250,8 @@ def _remote(b: Backend) -> RemoteModel | None:
 
 
 def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter, n_rows: int,
-           keep: bool = False, threads: int | None = None) -> tuple[list[Scores], tuple[list[np.ndarray], list[np.ndarray]]]:
+           keep: bool = False, threads: int | None = None
+           ) -> tuple[list[Scores], tuple[list[np.ndarray], list[np.ndarray]], dict[str, float]]:
     """Every candidate's per-position scores; with ``keep``, the live teacher's top-k of every position. GGUF
     models are scored in their llama.cpp worker, where their logits are (on the worker's own panel threads);
     EXL3 models here, on ``threads`` panel threads (default: every core) for this one panel."""
@@ -256,4 +267,4 @@ def _score(teacher: _Teacher, cands: list[Backend], ctx: int, progress: Reporter
     else:
         with RowPool(threads or default_threads()) as pool:
             out = score(job, teacher.live, cands, advance, pool)
-    return out.scores, (out.kept_ids, out.kept_lp)
+    return out.scores, (out.kept_ids, out.kept_lp), {"decode": out.decode_seconds, "panel": out.panel_seconds}

@@ -12,6 +12,7 @@ thread count: the blocks are the same at any count and gathered in order.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -60,6 +61,9 @@ class Outcome:
     scores: list[Scores]
     kept_ids: list[np.ndarray] = field(default_factory=list)
     kept_lp: list[np.ndarray] = field(default_factory=list)
+    #: wall seconds spent waiting for the models' logits (the decode) and scoring them (the panel)
+    decode_seconds: float = 0.0
+    panel_seconds: float = 0.0
 
 
 @dataclass
@@ -130,7 +134,13 @@ def score(job: Job, live: Decoder | None, cands: Sequence[Decoder], advance: Cal
             # the last token predicts nothing scored: positions 0..n-1 are decoded, in lock step
             streams: list[Iterator[np.ndarray]] = [m.window(w[:-1]) for m in models]
             off = 0
-            for pieces in zip(*streams):
+            batches = zip(*streams)
+            while True:
+                t0 = time.perf_counter()
+                pieces = next(batches, None)
+                out.decode_seconds += time.perf_counter() - t0
+                if pieces is None:
+                    break
                 m_ = pieces[0].shape[0]
                 if any(p.shape[0] != m_ for p in pieces):
                     raise MosaicError("the models handed back batches of different sizes")
@@ -143,6 +153,7 @@ def score(job: Job, live: Decoder | None, cands: Sequence[Decoder], advance: Cal
                 teacher, cand_pieces = (pieces[0], pieces[1:]) if live is not None else (None, pieces)
                 bounds = [(a, min(a + chunk, m_)) for a in range(0, m_, chunk)]
                 score_one = partial(_score_at, job, teacher, cand_pieces, saved, nxt[off:off + m_], bounds)
+                t0 = time.perf_counter()
                 for blk in pool.map(score_one, len(bounds)):
                     if blk.kept is not None:
                         out.kept_ids.append(blk.kept[0])
@@ -151,6 +162,7 @@ def score(job: Job, live: Decoder | None, cands: Sequence[Decoder], advance: Cal
                         parts[ci][0].append(agree)
                         parts[ci][1].append(kl)
                         parts[ci][2].append(nll)
+                out.panel_seconds += time.perf_counter() - t0
                 off += m_
                 advance(m_)
             if off != n:

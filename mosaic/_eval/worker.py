@@ -301,7 +301,8 @@ def score_in_worker(job: Job, live: RemoteModel | None, cands: Sequence[RemoteMo
             flat = data[f"{key}{ci}"]
             target.extend(flat[a:b] for a, b in itertools.pairwise(bounds))
         scores.append(s)
-    out = Outcome(scores)
+    out = Outcome(scores, decode_seconds=float(reply.get("decode_seconds", 0.0)),
+                  panel_seconds=float(reply.get("panel_seconds", 0.0)))
     if job.keep:
         out.kept_ids, out.kept_lp = [data["kept_ids"]], [data["kept_lp"]]
     return out

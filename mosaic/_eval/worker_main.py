@@ -135,7 +135,7 @@ class _Server:
         if job.keep:
             out["kept_ids"] = np.concatenate(got.kept_ids) if got.kept_ids else np.zeros((0, job.k), np.int32)
             out["kept_lp"] = np.concatenate(got.kept_lp) if got.kept_lp else np.zeros((0, job.k), np.float32)
-        return {"ok": None, "lengths": lengths}, out
+        return {"ok": None, "lengths": lengths, "decode_seconds": got.decode_seconds, "panel_seconds": got.panel_seconds}, out
 
 
 def main(argv: list[str]) -> int:

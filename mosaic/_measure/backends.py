@@ -11,6 +11,7 @@ candidate built as a mosaic of links.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -28,6 +29,7 @@ from mosaic._plan.gguf_units import Unit
 
 class Scorer(Protocol):
     runtime: dict
+    timing: dict[str, float]
 
     def score(self, versions: Mapping[int, str], name: str) -> dict: ...
 
@@ -42,6 +44,8 @@ class GGUFScorer:
                  gpu_layers: int | str | None = None, progress: Reporter = SILENT) -> None:
         self._rt = get_runtime(threads=threads, verbose=verbose, gpu_layers=gpu_layers)
         self._ref = ref
+        #: this run's seconds loading candidates, waiting for their logits, and in the panel
+        self.timing: dict[str, float] = {"load": 0.0, "decode": 0.0, "panel": 0.0}
         self._parts: Parts = lay_out(workdir, base, units, donors, pairs, progress)
         first = self._parts.candidate({})
         self._check = check_gguf(first)  # the laid-out base, strictly, split keys and all
@@ -54,12 +58,16 @@ class GGUFScorer:
         self.runtime = self._rt.info.as_dict()  # after a load: the layers it offloaded
 
     def _open(self, first: Path, name: str) -> GGUFBackend:
-        return GGUFBackend(dataclasses.replace(self._check, first=first), name, self._rt, self._ref.ctx, self.batch)
+        t0 = time.perf_counter()
+        try:
+            return GGUFBackend(dataclasses.replace(self._check, first=first), name, self._rt, self._ref.ctx, self.batch)
+        finally:
+            self.timing["load"] += time.perf_counter() - t0
 
     def _score(self, first: Path, name: str) -> dict:
         b = self._open(first, name)
         try:
-            return score_against(self._ref, [b])[0]
+            return score_against(self._ref, [b], timing=self.timing)[0]
         finally:
             b.close()
 
@@ -83,18 +91,21 @@ class Exl3Scorer:
         self.runtime = {"name": "exllamav3", "version": importlib.metadata.version("exllamav3"), "threads": 1}
         self._base, self._donors, self._units, self._ref, self._rows = base, donors, units, ref, rows
         self._work = work
+        self.timing: dict[str, float] = {"load": 0.0, "decode": 0.0, "panel": 0.0}
         work.mkdir(parents=True)
         self._checked = False
 
     def _score(self, folder: Path, name: str) -> dict:
         from mosaic._eval.backends import Exl3Backend
 
+        t0 = time.perf_counter()
         b = Exl3Backend(folder, self._ref.ctx, batch_size(self._ref.ctx, 1 << 15))
+        self.timing["load"] += time.perf_counter() - t0
         try:
             if not self._checked:
                 check_tokens(b, self._ref, self._rows)
                 self._checked = True
-            return score_against(self._ref, [b])[0]
+            return score_against(self._ref, [b], timing=self.timing)[0]
         finally:
             b.close()
 

@@ -484,6 +484,8 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
             shutil.rmtree(work, ignore_errors=True)
     doc = _document(plan, journal.records, head, ref)
     doc["seconds"] = round(time.monotonic() - started, 3)
+    if scorer is not None:  # this run's (a resumed one's own): loading candidates, their decode, the panel
+        doc["timing"] = {k: round(v, 3) for k, v in scorer.timing.items()}
     out_doc = _write(doc, out)
     journal.close()
     journal.path.unlink(missing_ok=True)

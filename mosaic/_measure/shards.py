@@ -55,7 +55,7 @@ def _inputs(doc: dict) -> dict:
     versions and the results' weight errors. Names of places (paths given, a text's file name) may differ
     between machines; the digests decide."""
     d = copy.deepcopy(doc)
-    for key in ("seconds", "seconds_per_candidate", "forward_passes", "measured", "notes"):
+    for key in ("seconds", "seconds_per_candidate", "forward_passes", "measured", "notes", "timing"):
         d.pop(key, None)
     d["settings"].pop("shard")
     d["base"] = {k: v for k, v in d["base"].items() if k in ("files", "bytes")}
@@ -178,6 +178,9 @@ def _merge(parts: list[Path], out: Path, force: bool) -> dict:
             else sum(not r.get("same_as_base") for r in d["results"]), d) for _, d in by_k.values()]
     total = sum(c for c, _ in ran)
     doc["seconds"] = round(sum(d["seconds"] for _, d in by_k.values()), 3)
+    timed = [d["timing"] for _, d in by_k.values() if "timing" in d]
+    if timed:
+        doc["timing"] = {k: round(sum(t[k] for t in timed), 3) for k in ("load", "decode", "panel")}
     doc["seconds_per_candidate"] = (round(sum(c * (d["seconds_per_candidate"] or 0.0) for c, d in ran) / total, 3)
                                     if total else None)
     # one run: the teacher, the base (and the top) once, and every candidate
