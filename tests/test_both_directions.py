@@ -181,3 +181,20 @@ def test_a_budget_no_plan_meets_names_the_smallest(rungs: dict[str, Path], tmp_p
     with pytest.raises(mosaic.MosaicError, match="no plan is that small"):
         mosaic.plan(base=rungs["Q5_0"], donors={"q4": rungs["Q4_0"], "q8": rungs["Q8_0"]}, scores=tmp_path / "m.json",
                     max_size=smallest - 1)
+
+
+def test_an_exl3_plan_stays_an_upgrade(tmp_path: Path) -> None:
+    """An EXL3 mosaic is the base's shards with donors' tensors spliced in: a donor of fewer bits than the base
+    is refused in one line, naming it, before anything is chosen."""
+    import json
+
+    from mosaic.testing.exl3 import write_example
+
+    write_example(tmp_path)
+    scores = tmp_path / "s.json"
+    scores.write_text(json.dumps({"higher_is_better": True, "scores": {str(i): 0.5 for i in range(6)}}))
+    r = CliRunner().invoke(main, ["plan", "--base", str(tmp_path / "donor"), "--donor", f"low={tmp_path / 'base'}",
+                                  "--scores", str(scores), "--layers", "2"])
+    assert r.exit_code == 2
+    line = r.output.strip()
+    assert "\n" not in line and "--donor low" in line and "upgrades only" in line

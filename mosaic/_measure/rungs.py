@@ -39,7 +39,9 @@ from mosaic._sources.rung_set import (
 )
 
 TOOL_ENV = "MOSAIC_LLAMA_QUANTIZE"
-_BUILD_RE = re.compile(r"\bbuild\s*[=:]\s*\S.*$")
+#: The line a llama.cpp tool names its build by: ``version: 0.5.0-dev (build 1, commit 0c1e570)`` in newer builds,
+#: ``main: build = 6123 (abcdef12)`` in older ones.
+_BUILD_RE = re.compile(r"\b(version:\s*\S.*\bbuild\b.*|build\s*[=:]\s*\S.*)$")
 #: ggml types that are never quantized (F32, F16, BF16 and the integer types stay as the tool leaves them).
 _PLAIN = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
 
@@ -311,7 +313,7 @@ def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem
     finally:
         with contextlib.suppress(FileNotFoundError):
             (out / tmp).unlink()
-    version = next((m.group(0) for ln in proc.stdout.splitlines() if (m := _BUILD_RE.search(ln))), "")
+    version = next((m.group(1).strip() for ln in proc.stdout.splitlines() if (m := _BUILD_RE.search(ln))), "")
     rec = {"type": rung_type, "id": rung_type.lower(), "file": final, "sha256": d.sha256, "bytes": d.size,
            "command": argv, "fallbacks": fallbacks}
     return rec, version

@@ -315,6 +315,11 @@ def _plan_mosaic(req: PlanRequest, ids: list[str]) -> PlanResult:
         for u in units
     ]
 
+    down = next((o for row in options for o in row if model.delta[(o.unit, o.donor)] < 0), None)
+    if down is not None:  # an EXL3 mosaic is the base's shards with donors' tensors spliced in: upgrades only
+        raise PlanError(f"--donor {down.donor}: its version of {units[down.unit].label} has fewer bytes than the base's; "
+                        "EXL3 plans take upgrades only (a smaller base, or GGUF models, plan in both directions)")
+
     def size_of(picks: Sequence[Option]) -> int:
         return model.size({o.unit: o.donor for o in picks})
 
