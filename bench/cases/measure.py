@@ -75,7 +75,7 @@ def _tool(name: str) -> Path | None:
     return p if p is not None and p.is_file() else None
 
 
-def imatrix_ladder(teacher: Path) -> tuple[Path, dict[str, Path]]:
+def imatrix_ladder(teacher: Path, donors: bool = True) -> tuple[Path, dict[str, Path]]:
     """The importance matrix (from the project's root, so that it records the calibration text by its relative
     path) and every quantization of the teacher made with it, kept in the bench's data folder."""
     imatrix_bin, quantize_bin = _tool("llama-imatrix"), _tool("llama-quantize")
@@ -89,7 +89,7 @@ def imatrix_ladder(teacher: Path) -> tuple[Path, dict[str, Path]]:
                         "-o", str(tmp)], cwd=ROOT, check=True, capture_output=True)
         tmp.rename(im)
     out = {}
-    for t in (BASE, *DONORS.values(), *RIVALS):
+    for t in (BASE, *(DONORS.values() if donors else ()), *RIVALS):  # the ladder's methods need the rivals alone
         p = folder / f"SmolLM2-135M-Instruct.{t}.gguf"
         if not p.is_file():
             tmp = p.with_suffix(".partial")
@@ -128,7 +128,8 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
     if _tool("llama-imatrix") is None or _tool("llama-quantize") is None:
         row("measure", "skipped", "llama-imatrix and llama-quantize are not built (make bench builds them)", "")
         return
-    im, q = imatrix_ladder(smol)
+    chosen = {k: v for k, v in METHODS.items() if any(m in k for m in methods)}
+    im, q = imatrix_ladder(smol, donors=any(k != LADDER for k in chosen))
     committed = ROOT / "tests" / "data" / "SmolLM2-135M-Instruct.imatrix.gguf"
     plain = requantize(smol, DATA / "smollm2", list(PLAIN))
     lines = (ROOT / "tests" / "data" / "paragraphs.txt").read_text().splitlines()
@@ -141,9 +142,8 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
     saved = work / "teacher.npz"
     env = _env()
     sh([*MOSAIC, "eval", "--reference", str(smol), "--text", str(rows), "--ctx", str(ctx), "--save-reference", str(saved)], env=env)
-    donors = [a for d, name in DONORS.items() for a in ("--donor", f"{d}={q[name]}")]
+    donors = [a for d, name in DONORS.items() if name in q for a in ("--donor", f"{d}={q[name]}")]
     budgets = {r: _size(q[r]) for r in RIVALS}
-    chosen = {k: v for k, v in METHODS.items() if any(m in k for m in methods)}
     ladder_dir = DATA / "smollm2-ladder"
     if LADDER in chosen:  # the rungs, made by llama.cpp's llama-quantize with the committed matrix (kept between runs)
         t = time.perf_counter()
