@@ -281,6 +281,7 @@ class FakeExl3Scorer:
     def __init__(self, base, donors, units, todo, ref, rows, work, progress=None) -> None:  # type: ignore[no-untyped-def]
         self.units, self.rows = units, len(ref.row_tokens)
         self.calls: list[tuple[int, str]] = []
+        self.timing = {"load": 0.0, "decode": 0.0, "panel": 0.0}
         work.mkdir(parents=True)
         FakeExl3Scorer.last = self  # type: ignore[attr-defined]
 

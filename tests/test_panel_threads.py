@@ -265,8 +265,11 @@ def test_the_worker_scores_on_its_own_pool_the_same_at_every_thread_count(monkey
         replies.append(server.score(head, {}))
         server.close()
         assert server.pool is None and pool._ex is None
+    timed = ("decode_seconds", "panel_seconds")  # where the time went: the one part that may differ
+    first = {k: v for k, v in replies[0][0].items() if k not in timed}
     for head, arrays in replies[1:]:
-        assert head == replies[0][0]
+        assert all(head[k] >= 0 for k in timed)
+        assert {k: v for k, v in head.items() if k not in timed} == first
         _assert_same(replies[0][1], arrays)
 
 
