@@ -36,6 +36,7 @@ from mosaic._sources.rung_set import (
     SCHEMA_ID,
     manifest_errors,
     parse_types,
+    rung_intact,
 )
 
 TOOL_ENV = "MOSAIC_LLAMA_QUANTIZE"
@@ -258,10 +259,7 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
                        and old["imatrix"] == imatrix_rec and old["tool"]["sha256"] == tool_sha)
         kept: dict[str, dict] = {}
         if old is not None and same_inputs:
-            for r in old["rungs"]:
-                p = out / r["file"]
-                if p.is_file() and p.stat().st_size == r["bytes"] and digest_file(p).sha256 == r["sha256"]:
-                    kept[r["type"]] = r
+            kept = {r["type"]: r for r in old["rungs"] if rung_intact(out, r)}
         elif old is not None:
             req.notes.append(f"{out / LADDER_FILE}: made from other inputs (source, importance matrix or tool); "
                              "every rung is made again")

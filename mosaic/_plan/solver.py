@@ -88,8 +88,9 @@ class _Bound:
     floor: float
     slack: float  # float rounding allowance: a state is dropped only when its bound is below floor by more
 
-    def keeps(self, i: int, cost: int, score: float, budget: int) -> bool:
-        return score - self.lam * cost + self.lam * budget + self.rest[i] >= self.floor - self.slack
+    def need(self, i: int, budget: int) -> float:
+        """The least reduced profit (``score − lam × cost``) a state that fixed units ``< i`` must hold to be kept."""
+        return self.floor - self.slack - self.lam * budget - self.rest[i]
 
 
 def _lagrangian(options: Sequence[Sequence[Option]], budget: int) -> _Bound:
@@ -162,7 +163,7 @@ def solve_pareto(options: Sequence[Sequence[Option]], budget: int, max_states: i
     for i, row in enumerate(rows):
         # a state's reduced profit (score − lam × cost) plus an option's must reach what the bound needs: with the
         # options in decreasing reduced profit, the first that falls short ends the state's options
-        need = bound.floor - bound.slack - lam * budget - bound.rest[i + 1]
+        need = bound.need(i + 1, budget)
         ranked = sorted(((o, oc, os_, os_ / den - lam * oc) for o, oc, os_ in row), key=lambda t: -t[3])
         grown = []
         for c, sc, chain in states:

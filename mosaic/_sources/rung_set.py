@@ -113,6 +113,16 @@ class RungSet:
     donors: tuple[Rung, ...]
 
 
+def rung_intact(folder: Path, rec: dict) -> bool:
+    """Does the rung ``rec`` of a manifest still lie in ``folder`` with its recorded size and SHA-256?"""
+    path = folder / rec["file"]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return False
+    return size == rec["bytes"] and digest_file(path).sha256 == rec["sha256"]
+
+
 def open_ladder(folder: str | Path) -> RungSet:
     """The ladder in ``folder``, every rung's file checked against the manifest (size, then SHA-256) first: a
     rung that changed since it was made is refused naming it."""
@@ -121,15 +131,13 @@ def open_ladder(folder: str | Path) -> RungSet:
     rungs = []
     for r in doc["rungs"]:
         path = folder / r["file"]
-        try:
-            size = path.stat().st_size
-        except OSError:
+        if not path.is_file():
             raise MosaicError(f"--ladder {folder}: the {r['type']} rung {r['file']} is missing; "
-                              f"make it again with: mosaic ladder SOURCE --out {folder}") from None
-        if size != r["bytes"] or digest_file(path).sha256 != r["sha256"]:
+                              f"make it again with: mosaic ladder SOURCE --out {folder}")
+        if not rung_intact(folder, r):
             raise MosaicError(f"--ladder {folder}: {r['file']} is not the {r['type']} rung {LADDER_FILE} records "
                               "(its bytes changed since it was made); make it again with mosaic ladder")
-        rungs.append(Rung(r["type"], r["id"], path, size))
+        rungs.append(Rung(r["type"], r["id"], path, r["bytes"]))
     if len(rungs) < 2:
         raise MosaicError(f"--ladder {folder}: {len(rungs)} rung(s); a ladder to plan over needs a base and a donor")
     order = {t: i for i, t in enumerate(TYPES)}

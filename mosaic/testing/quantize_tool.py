@@ -107,29 +107,23 @@ def main(argv: list[str]) -> int:
 
 def _quantize(src: str, dst: str, ftype: int, threads: int, *, pure: bool, requantize: bool,
               token_embd: str | None, output: str | None) -> None:
+    def fill(params: object) -> object:  # the same fields in either binding's parameter struct
+        params.ftype, params.allow_requantize, params.nthread, params.pure = ftype, requantize, threads, pure  # type: ignore[attr-defined]
+        if token_embd:
+            params.token_embedding_type = _ggml_type(token_embd)  # type: ignore[attr-defined]
+        if output:
+            params.output_tensor_type = _ggml_type(output)  # type: ignore[attr-defined]
+        return params
+
     try:
         from cyllama.llama import llama_cpp as cy
-
-        params = cy.LlamaModelQuantizeParams()
-        params.ftype, params.allow_requantize, params.nthread, params.pure = ftype, requantize, threads, pure
-        if token_embd:
-            params.token_embedding_type = _ggml_type(token_embd)
-        if output:
-            params.output_tensor_type = _ggml_type(output)
-        cy.model_quantize(src, dst, params)
-        return
     except ImportError:
-        pass
-    import llama_cpp  # llama-cpp-python
+        import llama_cpp  # llama-cpp-python
 
-    p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype, p.allow_requantize, p.nthread, p.pure = ftype, requantize, threads, pure
-    if token_embd:
-        p.token_embedding_type = _ggml_type(token_embd)
-    if output:
-        p.output_tensor_type = _ggml_type(output)
-    if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), p) != 0:
-        raise RuntimeError("llama_model_quantize returned an error")
+        if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), fill(llama_cpp.llama_model_quantize_default_params())) != 0:
+            raise RuntimeError("llama_model_quantize returned an error") from None
+        return
+    cy.model_quantize(src, dst, fill(cy.LlamaModelQuantizeParams()))
 
 
 def write_tool(path: str | Path) -> Path:
