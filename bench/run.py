@@ -1,6 +1,6 @@
 """mosaic's benchmark suite: mosaic against the plain baselines on the same data, in one run, as ratios.
 
-    python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,plan-ladder,eval,measure] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--eval-ctx 512] [--no-write]
+    python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,plan-ladder,eval,scale,measure] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--eval-ctx 512] [--no-write]
 
 This file is the command line only. Each case is a module of ``bench/cases/`` named for it (``gguf-stream``:
 ``gguf_stream.py``), over ``bench/harness.py``: the data, the timing, the peak memory and the results table
@@ -37,6 +37,7 @@ from cases.memory import case_memory
 from cases.metadata import case_metadata
 from cases.panel import case_panel
 from cases.plan_ladder import case_plan_ladder
+from cases.scale import case_scale
 from cases.stream import case_stream
 from harness import DATA, ROOT, ROWS, machine, write_results
 
@@ -50,7 +51,7 @@ from harness import scores_for as scores_for
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,plan-ladder,eval,measure")
+    ap.add_argument("--cases", default="census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,plan-ladder,eval,scale,measure")
     ap.add_argument("--stream-gb", type=float, default=0.5, help="model size of the stream case (held in memory by the local hub)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--size-gb", type=float, default=2.0)
@@ -90,6 +91,8 @@ def main() -> int:
         case_plan_ladder(args.runs)
     if "eval" in cases:
         case_eval(args.runs, args.eval_ctx)
+    if "scale" in cases:
+        case_scale(args.runs, args.eval_ctx)
     if "measure" in cases:
         case_measure(args.measure_ctx, args.measure_rows, args.measure_methods.split(","))
     lines = [f"machine: {machine()}", f"runs per contender: {args.runs} (medians)", "", "| case | contender | median | ratio |", "|---|---|---|---|"]

@@ -157,24 +157,32 @@ def _eval_on(binding: str, env: dict[str, str], runs: int, ctx: int, what: str, 
     return saved
 
 
-def case_measure_cost(ctx: int, teacher: Path, cand: Path, text: Path, saved: Path) -> None:
+def case_measure_cost(ctx: int, teacher: Path, cand: Path, text: Path, saved: Path, *, donor: Path | None = None,
+                      what: str = "SmolLM2 Q2_K + one layer of Q8_0") -> None:
     """A measurement's seconds per candidate against one ``mosaic eval`` of one model against a saved reference
-    on the same rows: what the measurement loop adds to scoring a model (SmolLM2 only: its Q8_0 as donor)."""
+    on the same rows: what the measurement loop adds to scoring a model. The donor is ``donor``, else the
+    teacher's Q8_0 by llama.cpp's own quantizer (SmolLM2 only); the measurement's own ``timing`` (load, decode,
+    panel) is printed beside it."""
     from mosaic.testing.gguf import requantize, smollm2_gguf
 
-    if smollm2_gguf() is None:
-        return
-    q8 = requantize(teacher, DATA / "smollm2", ["Q8_0"])["Q8_0"]
+    if donor is None:
+        if smollm2_gguf() is None:
+            return
+        donor = requantize(teacher, DATA / "smollm2", ["Q8_0"])["Q8_0"]
     out = DATA / "cost-measure.json"
-    measure = [*MOSAIC, "measure", "--base", str(cand), "--donor", f"q8={q8}", "--reference", str(saved), "--text",
+    measure = [*MOSAIC, "measure", "--base", str(cand), "--donor", f"q8={donor}", "--reference", str(saved), "--text",
                str(text), "--unit", "layer", "--only-layers", "0-3", "--method", "swaps", "--out", str(out), "--force", "--json"]
     scored = [*MOSAIC, "eval", str(cand), "--reference", str(saved), "--text", str(text), "--json"]
     env = list(bindings().values())[-1]  # the last binding raced: the one saved's teacher ran on
     doc = json.loads(subprocess.run(measure, check=True, capture_output=True, text=True, env=env).stdout)
     evals = [timed(lambda: sh(scored, env=env)) for _ in range(3)]
-    case = (f"measure: seconds per candidate on {doc['runtime']['name']} (SmolLM2 Q2_K + one layer of Q8_0, "
-            f"{len(doc['results'])} candidates)")
+    case = f"measure: seconds per candidate on {doc['runtime']['name']} ({what}, {len(doc['results'])} candidates)"
     per = doc["seconds_per_candidate"]
     row(case, "mosaic measure: seconds per candidate", f"{per:.2f} s", f"{per / statistics.median(evals):.2f} × one eval")
     row(case, "mosaic eval of one model against the saved reference", f"{statistics.median(evals):.2f} s", "1.00 (goal: measure ≤ 1.1 ×)")
+    timing = doc.get("timing") or {}
+    spent = sum(timing.values()) or 1.0
+    for key in ("load", "decode", "panel"):
+        if key in timing:
+            row(case, f"mosaic measure: {key}", f"{timing[key]:.2f} s", f"{timing[key] / spent:.2f} of load + decode + panel")
     out.unlink(missing_ok=True)
