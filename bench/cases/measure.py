@@ -48,10 +48,13 @@ METHODS: dict[str, tuple[list[str], bool, bool]] = {
     "weights, --imatrix": (["--method", "weights"], False, True),
     "default without --imatrix": (["--method", "top-down"], False, False),
     "ladder: default over mosaic ladder's rungs, --imatrix": (["--method", "top-down"], False, True),
+    "ladder-two-point: top-down --curve two-point over mosaic ladder's rungs, --imatrix":
+        (["--method", "top-down", "--curve", "two-point"], False, True),
 }
 DEFAULT = "default: top-down, --imatrix"
 #: The methods whose sources are the ladder ``mosaic ladder`` makes of the teacher (``--ladder DIR``), not DONORS.
 LADDER = "ladder: default over mosaic ladder's rungs, --imatrix"
+LADDERS = (LADDER, "ladder-two-point: top-down --curve two-point over mosaic ladder's rungs, --imatrix")
 #: The ladder's types: every type llama.cpp's target-size considers, less Q4_1 (the teacher is Q4_1: that rung is
 #: lossless on it, and target-size is run without it for the same reason).
 LADDER_TYPES = ("IQ1_S,IQ1_M,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ4_XS,IQ4_NL,Q2_K,Q3_K,Q4_0,Q4_K,Q5_0,Q5_1,Q5_K,"
@@ -129,7 +132,7 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
         row("measure", "skipped", "llama-imatrix and llama-quantize are not built (make bench builds them)", "")
         return
     chosen = {k: v for k, v in METHODS.items() if any(m in k for m in methods)}
-    im, q = imatrix_ladder(smol, donors=any(k != LADDER for k in chosen))
+    im, q = imatrix_ladder(smol, donors=any(k not in LADDERS for k in chosen))
     committed = ROOT / "tests" / "data" / "SmolLM2-135M-Instruct.imatrix.gguf"
     plain = requantize(smol, DATA / "smollm2", list(PLAIN))
     lines = (ROOT / "tests" / "data" / "paragraphs.txt").read_text().splitlines()
@@ -145,7 +148,7 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
     donors = [a for d, name in DONORS.items() if name in q for a in ("--donor", f"{d}={q[name]}")]
     budgets = {r: _size(q[r]) for r in RIVALS}
     ladder_dir = DATA / "smollm2-ladder"
-    if LADDER in chosen:  # the rungs, made by llama.cpp's llama-quantize with the committed matrix (kept between runs)
+    if any(k in LADDERS for k in chosen):  # the rungs, made by llama.cpp's llama-quantize with the committed matrix (kept between runs)
         t = time.perf_counter()
         sh([*MOSAIC, "ladder", str(smol), "--out", str(ladder_dir), "--imatrix", str(committed), "--types", LADDER_TYPES,
             "--llama-quantize", str(_tool("llama-quantize"))], env=env)
@@ -162,7 +165,7 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
             ref = ["--reference", str(smol)] if "weights" in flags else ["--reference", str(saved), "--text", str(rows)]
             extra = (["--imatrix", str(im)] if weighted else []) + (["--max-size", str(budgets[budget])] if budget else [])
             t = time.perf_counter()
-            sources = ["--ladder", str(ladder_dir)] if label == LADDER else ["--base", str(q[BASE]), *donors]
+            sources = ["--ladder", str(ladder_dir)] if label in LADDERS else ["--base", str(q[BASE]), *donors]
             sh([*MOSAIC, "measure", *sources, *ref, "--unit", "module-group", *flags, *extra,
                 "--out", str(out)], env=env)
             walls[key] = time.perf_counter() - t
