@@ -44,22 +44,12 @@ def _write(path: Path, qtype: str, smol: Path) -> None:
     before quantization), written under a temporary name and renamed."""
     import gguf
 
-    from mosaic.testing.gguf import Geometry, float_tensors, quantized
+    from mosaic.testing.gguf import Geometry, float_tensors, quantized, write_hparams
 
     geo = Geometry(n_layer=N_LAYER, n_embd=N_EMBD, n_head=32, n_head_kv=8, n_ff=N_FF, context=4096, n_vocab=N_VOCAB)
     tmp = path.with_name(path.name + ".partial")
     w = gguf.GGUFWriter(tmp, "llama")
-    w.add_name(f"scale-{N_VOCAB}-{qtype}")
-    w.add_context_length(geo.context)
-    w.add_embedding_length(geo.n_embd)
-    w.add_block_count(geo.n_layer)
-    w.add_feed_forward_length(geo.n_ff)
-    w.add_head_count(geo.n_head)
-    w.add_head_count_kv(geo.n_head_kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(geo.n_embd // geo.n_head)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(N_VOCAB)
+    write_hparams(w, f"scale-{N_VOCAB}-{qtype}", geo)
     w.add_file_type({"Q8_0": 7, "Q4_0": 2}[qtype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _tokenizer(w, smol)

@@ -87,6 +87,22 @@ def quantized(name: str, arr: np.ndarray, qtype: str, overrides: dict[str, str] 
     return quantize(arr, t), t
 
 
+def write_hparams(w: object, name: str, geo: Geometry) -> None:
+    """The llama architecture's hyperparameters of ``geo`` and the vocabulary's size, in the order every model
+    written here has them."""
+    w.add_name(name)  # type: ignore[attr-defined]
+    w.add_context_length(geo.context)  # type: ignore[attr-defined]
+    w.add_embedding_length(geo.n_embd)  # type: ignore[attr-defined]
+    w.add_block_count(geo.n_layer)  # type: ignore[attr-defined]
+    w.add_feed_forward_length(geo.n_ff)  # type: ignore[attr-defined]
+    w.add_head_count(geo.n_head)  # type: ignore[attr-defined]
+    w.add_head_count_kv(geo.n_head_kv)  # type: ignore[attr-defined]
+    w.add_layer_norm_rms_eps(1e-5)  # type: ignore[attr-defined]
+    w.add_rope_dimension_count(geo.n_embd // geo.n_head)  # type: ignore[attr-defined]
+    w.add_rope_freq_base(10000.0)  # type: ignore[attr-defined]
+    w.add_vocab_size(geo.n_vocab)  # type: ignore[attr-defined]
+
+
 def write_llama_gguf(
     path: str | Path,
     *,
@@ -110,18 +126,8 @@ def write_llama_gguf(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(path, "llama", split_max_size=split_max_size)
-    w.add_name(name)
-    w.add_context_length(geo.context)
-    w.add_embedding_length(geo.n_embd)
-    w.add_block_count(geo.n_layer)
-    w.add_feed_forward_length(geo.n_ff)
-    w.add_head_count(geo.n_head)
-    w.add_head_count_kv(geo.n_head_kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(geo.n_embd // geo.n_head)
-    w.add_rope_freq_base(10000.0)
+    write_hparams(w, name, geo)
     n_vocab = geo.n_vocab
-    w.add_vocab_size(n_vocab)
     if geo.n_expert:
         w.add_expert_count(geo.n_expert)
         w.add_expert_used_count(geo.n_expert_used or 2)
