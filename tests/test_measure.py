@@ -134,6 +134,30 @@ def test_dbytes_is_the_built_size_growth_and_dkl_is_what_eval_gives(smol: dict[s
     assert best["dtop1"] == pytest.approx(c["top1"] - b["top1"], abs=1e-6)
 
 
+def test_loading_each_next_candidate_ahead_changes_no_number(smol: dict[str, Path], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next candidate loads while one decodes (its links re-pointed under the loaded one): the same records
+    as candidates loaded one by one, and no preload where the memory to spare does not hold a second model."""
+    import mosaic._measure.backends as backends
+
+    kw = {"unit": "module-group", "only_layers": "4-5", "donors": [("q8", str(smol["Q8_0"])), ("q3", str(smol["Q3_K_M"]))]}
+    ahead = measure(_req(smol, tmp_path / "ahead.json", **kw))
+    monkeypatch.setattr(backends, "memory_available", lambda: 2 * smol["Q2_K"].stat().st_size - 1)
+    alone = measure(_req(smol, tmp_path / "alone.json", **kw))
+    runs = ahead["forward_passes"] - 1  # every one but the teacher's
+    assert runs >= 6 and ahead["timing"]["preloaded"] == runs - 1 and alone["timing"]["preloaded"] == 0
+    for key in ("base", "top", "measured", "results"):
+        assert [_numbers(x) for x in _listed(ahead[key])] == [_numbers(x) for x in _listed(alone[key])], key
+
+
+def _listed(x: object) -> list:
+    return x if isinstance(x, list) else [x]
+
+
+def _numbers(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k != "seconds"}
+
+
 def test_interrupted_resumed_and_refused_when_an_input_changed(smol: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     args = ["measure", "--base", str(smol["Q2_K"]), "--donor", f"q8={smol['Q8_0']}", "--reference", str(smol["teacher"]),
@@ -289,7 +313,7 @@ class FakeExl3Scorer:
         return {"kl": {"mean": kl}, "top1": 0.5 + (1 - kl) / 10, "nll": 3 + kl,
                 "rows": [{"kl": kl + 0.001 * i, "top1": 0.5, "nll": 3.0} for i in range(self.rows)]}
 
-    def score(self, versions: dict[int, str], name: str) -> dict:
+    def score(self, versions: dict[int, str], name: str, then: object = None) -> dict:
         """Each unit at a donor's version lowers the KL by a fixed amount (layers 1 and 4 the most, q4 twice q3)."""
         self.calls.append(dict(versions))
         gain = sum((0.02 if self.units[u].layer in (1, 4) else 0.005) * (2 if d == "q4" else 1) for u, d in versions.items())

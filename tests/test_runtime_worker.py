@@ -15,8 +15,10 @@ import dataclasses
 import io
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -166,6 +168,63 @@ def test_one_worker_holds_every_model_of_a_command(models: dict[str, Path], monk
     assert _workers_marked(mark) == []
 
 
+# ----------------------------------------------------------------------------------- preload
+
+
+def _logits(m: object, tokens: list[int]) -> np.ndarray:
+    m.clear()  # type: ignore[attr-defined]
+    return np.array(m.decode(tokens, 0))  # type: ignore[attr-defined]
+
+
+def test_a_preloaded_model_is_the_model_a_load_gives_and_only_its_own_path_claims_it(models: dict[str, Path]) -> None:
+    from mosaic._eval.worker import get_runtime
+
+    rt = get_runtime(threads=2)
+    teacher = rt.load(models["teacher"], ctx=32, batch=32)
+    tokens = teacher.tokenize(ROWS[0])[:16]
+    try:
+        plain = rt.load(models["cand"], ctx=32, batch=32)
+        want = _logits(plain, tokens)
+        plain.close()
+        ticket = rt.preload(models["cand"], ctx=32, batch=32, name="next")
+        assert rt.worker.preloading == "next"
+        first = _logits(teacher, tokens)  # the teacher decodes while the candidate loads
+        got = rt.load(models["cand"], ctx=32, batch=32, ticket=ticket)
+        assert rt.worker.preloading == ""
+        np.testing.assert_array_equal(_logits(got, tokens), want)
+        np.testing.assert_array_equal(_logits(teacher, tokens), first)
+        got.close()
+        # a ticket claims only its own path: another is loaded as usual and the preload is closed
+        ticket = rt.preload(models["cand"], ctx=32, batch=32)
+        other = rt.load(models["teacher"], ctx=32, batch=32, ticket=ticket)
+        np.testing.assert_array_equal(_logits(other, tokens), first)
+        other.close()
+        again = rt.load(models["cand"], ctx=32, batch=32, ticket=ticket)  # spent: a load of its own
+        np.testing.assert_array_equal(_logits(again, tokens), want)
+        again.close()
+        rt.preload(models["cand"], ctx=32, batch=32)
+        rt.forget()
+        assert rt.worker.preloading == ""
+    finally:
+        teacher.close()
+
+
+def test_a_preload_that_llama_cpp_aborts_on_names_it(models: dict[str, Path]) -> None:
+    """Whether the worker dies during a request or between two, the line names the model it was loading ahead."""
+    from mosaic._eval.worker import get_runtime
+
+    rt = get_runtime(threads=2)
+    teacher = rt.load(models["teacher"], ctx=32, batch=32)
+    rt.preload(models["bad"], ctx=32, batch=32, name="the next candidate")
+    with pytest.raises(RuntimeFailure, match=r"^llama\.cpp aborted while .*loading the next candidate.*GGML_ASSERT"):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            teacher.tokenize(ROWS[0])
+            time.sleep(0.01)
+    doc = evaluate(EvalRequest([str(models["cand"])], str(models["teacher"]), models["text"], ctx=16))
+    assert doc["candidates"][0]["positions"] > 0  # the next command's worker is a new one
+
+
 # ----------------------------------------------------------------------------------- measure
 
 
@@ -178,15 +237,16 @@ def test_a_measurement_whose_worker_is_killed_keeps_its_journal_and_resumes(tmp_
     args = ["measure", "--base", str(q["Q2_K"]), "--donor", f"q8={q['Q8_0']}", "--reference", str(teacher),
             "--text", str(text), "--unit", "module-group", "--only-layers", "0", "--ctx", "64", "--top-k", "8",
             "--method", "swaps", "--out", str(out)]
-    # loads: the teacher, the base (its tokens checked), the base scored, then one per candidate: the 6th load
-    # is the third candidate's
+    # loads: the teacher, the base (its tokens checked), the base scored, then one per candidate, each loaded
+    # while the one before decodes: the 6th load is the third candidate's, killed while the second decodes
     r = run_cli(args, fault="llama-load:6:kill", timeout=600)
     line = _one_line(r, 2)
-    assert line.startswith("mosaic: error: llama.cpp was killed by signal 9 while loading ") and "(out of memory?)" in line
+    assert re.fullmatch(r"mosaic: error: llama\.cpp was killed by signal 9 while decoding layer 0 \w+ from q8 "
+                        r"\(and loading layer 0 \w+ from q8 beside it\) \(out of memory\?\)", line), line
     journal = tmp_path / "m.json.partial"
     assert not out.exists() and journal.is_file()
     kinds = [json.loads(x)["kind"] for x in journal.read_text().splitlines()[1:]]
-    assert kinds == ["teacher", "base", "result", "result"], kinds
+    assert kinds == ["teacher", "base", "result"], kinds
     r = run_cli([*args, "--resume", "--json"], timeout=600)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)

@@ -110,11 +110,13 @@ def _tokens_digest(tokens: object) -> str:
 class GGUFBackend:
     """A GGUF model on a llama.cpp runtime; checked strictly first (:func:`check_gguf`)."""
 
-    def __init__(self, check: GGUFCheck, name: str, runtime: Runtime, ctx: int, batch: int) -> None:
+    def __init__(self, check: GGUFCheck, name: str, runtime: Runtime, ctx: int, batch: int,
+                 model: LoadedModel | None = None) -> None:
+        """``model``: ``check.first`` already loaded by ``runtime`` (a preload claimed), else it is loaded here."""
         self.name = name
         self.path = check.first
         self._tokens_sha256 = _tokens_digest(check.model.first.value("tokenizer.ggml.tokens"))  # not the list: memory
-        self._model: LoadedModel = runtime.load(check.first, ctx=ctx, batch=batch)
+        self._model: LoadedModel = model if model is not None else runtime.load(check.first, ctx=ctx, batch=batch)
         self.n_vocab = self._model.n_vocab
         self.batch = batch
 

@@ -107,6 +107,7 @@ class Worker:
         self._lock = threading.Lock()
         self.info: RuntimeInfo | None = None
         self.doing = ""
+        self.preloading = ""  # the model a preload is loading, until it is claimed or forgotten
         self.generation = 0  # which process: a model loaded in an earlier one is gone with it
 
     # ------------------------------------------------------------------------------------ process
@@ -130,7 +131,7 @@ class Worker:
         self._w = os.fdopen(from_parent, "wb")
         self._r = os.fdopen(to_parent, "rb")
         self.generation += 1
-        self.doing = "starting"
+        self.doing, self.preloading = "starting", ""
         head, _ = self._call({"op": "init", "runtime": runtime, "threads": threads, "verbose": verbose,
                               "gpu_layers": gpu_layers})
         self.info = RuntimeInfo(**head["ok"], note=head.get("note"))
@@ -177,6 +178,8 @@ class Worker:
             self._log.seek(max(0, size - _TAIL))
             tail = self._log.read().decode("utf-8", "replace")
         doing = self.doing or "running"
+        if self.preloading:
+            doing += f" (and loading {self.preloading} beside it)"
         self.close()
         if code == -signal.SIGABRT:
             return RuntimeFailure(f"llama.cpp aborted while {doing}: {_message(tail)}")
@@ -226,6 +229,9 @@ class Worker:
     def call(self, doing: str, head: dict, arrays: dict[str, np.ndarray] | None = None,
              advance: Callable[[int], None] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
         with self._lock:
+            if self._proc is not None and not self.alive() and self.preloading:
+                self.doing, self.preloading = f"loading {self.preloading} ahead", ""
+                raise self._died()  # between requests: only the preload was running
             if not self.alive():
                 self._proc = None
                 self._start()
@@ -233,14 +239,29 @@ class Worker:
             return self._call(head, arrays, advance)
 
 
+@dataclasses.dataclass(frozen=True)
+class Preload:
+    """A model the worker is loading beside its other work: ``load(..., ticket=)`` with the same path claims it."""
+
+    path: Path
+    ticket: int
+    generation: int
+
+
 class RemoteModel:
     """A model loaded in the worker (the :class:`~mosaic._eval.runtime.LoadedModel` interface)."""
 
-    def __init__(self, worker: Worker, path: Path, ctx: int, batch: int, name: str | None = None) -> None:
+    def __init__(self, worker: Worker, path: Path, ctx: int, batch: int, name: str | None = None,
+                 ticket: Preload | None = None) -> None:
         self.worker = worker
         self.name = name or str(path)
-        head, _ = worker.call(f"loading {path}", {"op": "load", "path": str(path), "ctx": ctx, "batch": batch,
-                                                  "name": self.name})
+        head = {"op": "load", "path": str(path), "ctx": ctx, "batch": batch, "name": self.name}
+        if ticket is not None and ticket.generation == worker.generation:
+            head["ticket"] = ticket.ticket
+        try:
+            head, _ = worker.call(f"loading {path}", head)
+        finally:
+            worker.preloading = ""  # claimed or forgotten: a load ends any preload
         self.handle: int | None = head["ok"]
         self._generation = worker.generation
         self.n_vocab = int(head["n_vocab"])
@@ -322,8 +343,24 @@ class WorkerRuntime:
         assert self.worker.info is not None
         return self.worker.info
 
-    def load(self, path: Path, *, ctx: int, batch: int, name: str | None = None) -> RemoteModel:
-        return RemoteModel(self.worker, path, ctx, batch, name)
+    def load(self, path: Path, *, ctx: int, batch: int, name: str | None = None, ticket: Preload | None = None) -> RemoteModel:
+        """``path`` loaded; with ``ticket``, the preload's model when it is ``path``'s (waiting for it to finish
+        loading), else a load of its own."""
+        return RemoteModel(self.worker, path, ctx, batch, name, ticket)
+
+    def preload(self, path: Path, *, ctx: int, batch: int, name: str | None = None) -> Preload:
+        """Starts loading ``path`` in the worker while it goes on with other requests; an earlier preload not
+        claimed is closed. The model's pages are extra memory until it is claimed: the caller decides there is
+        room for them."""
+        head, _ = self.worker.call(f"preloading {path}", {"op": "preload", "path": str(path), "ctx": ctx, "batch": batch})
+        self.worker.preloading = name or str(path)
+        return Preload(path, int(head["ok"]), self.worker.generation)
+
+    def forget(self) -> None:
+        """The preload not claimed, if any, finished and closed."""
+        if self.worker.alive():
+            self.worker.call("closing a preloaded model", {"op": "forget"})
+        self.worker.preloading = ""
 
     def quantize(self, src: Path, dst: Path, ftype: int) -> None:
         self.worker.call(f"quantizing {src}", {"op": "quantize", "src": str(src), "dst": str(dst), "ftype": ftype})

@@ -7,6 +7,10 @@ terminal with ``--verbose``), never the protocol. It writes no core file, ignore
 parent stops it) and dies with its parent. A refusal (:class:`~mosaic.MosaicError`) is answered as one; a
 ``GGML_ASSERT`` or an out-of-memory kill ends the process, and the parent says so in one line. The panel's
 threads (:mod:`.rowpool`) are made once, at ``init``, as many as the runtime decodes with, and ended on exit.
+
+A ``preload`` loads the next model on a thread of its own while this one decodes and scores (a measurement's
+next candidate), so that the decode never waits on a load. One model is loading at a time, at most one is
+preloaded and unclaimed, and a ``load`` naming its ticket takes it over; any other request goes on meanwhile.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -67,12 +73,52 @@ class _Server:
         self.pool: RowPool | None = None  # the panel's threads, as many as the runtime decodes with
         self.models: dict[int, _Model] = {}
         self.next = 1
+        self._loading = threading.Lock()  # one load at a time: llama.cpp's log says what the load offloaded
+        self._loader: ThreadPoolExecutor | None = None
+        self._ahead: tuple[int, str, Future[LoadedModel]] | None = None  # (ticket, path, the load) of a preload
 
     def close(self) -> None:
-        """Ends the panel's threads (the models end with the process)."""
+        """Ends the panel's threads and the preload's (the models end with the process)."""
+        self._forget()
+        if self._loader is not None:
+            self._loader.shutdown()
+            self._loader = None
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+    def _load(self, path: Path, ctx: int, batch: int) -> LoadedModel:
+        assert self.rt is not None
+        with self._loading:
+            point("llama-load")
+            return self.rt.load(path, ctx=ctx, batch=batch)
+
+    def _preload(self, head: dict) -> int:
+        """Starts loading ``head``'s model beside whatever runs next; its ticket claims it."""
+        self._forget()
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="mosaic-preload")
+        ticket = self.next
+        self.next += 1
+        self._ahead = (ticket, head["path"], self._loader.submit(self._load, Path(head["path"]), head["ctx"], head["batch"]))
+        return ticket
+
+    def _claim(self, ticket: int | None, path: str) -> LoadedModel | None:
+        """The preloaded model of ``ticket`` when it is ``path``'s (a load that failed raises here, as a load
+        would); ``None`` when there is none, the unclaimed one closed."""
+        ahead = self._ahead
+        if ahead is None or ticket is None or ahead[0] != ticket or ahead[1] != path:
+            self._forget()
+            return None
+        self._ahead = None
+        return ahead[2].result()
+
+    def _forget(self) -> None:
+        """The unclaimed preload, if any, waited for and closed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            with contextlib.suppress(Exception):
+                ahead[2].result().close()
 
     def note(self, doing: str) -> None:
         send(self.out, {"doing": doing})
@@ -87,9 +133,13 @@ class _Server:
         assert self.rt is not None, "init first"
         if op == "ping":
             return {"ok": None}, None
+        if op == "preload":
+            return {"ok": self._preload(head)}, None
+        if op == "forget":
+            self._forget()
+            return {"ok": None}, None
         if op == "load":
-            point("llama-load")
-            m = self.rt.load(Path(head["path"]), ctx=head["ctx"], batch=head["batch"])
+            m = self._claim(head.get("ticket"), head["path"]) or self._load(Path(head["path"]), head["ctx"], head["batch"])
             h = self.next
             self.next += 1
             self.models[h] = _Model(m, head["name"], head["batch"], self.note)

@@ -22,30 +22,51 @@ from mosaic._eval.backends import GGUFBackend, batch_size, check_gguf, require_e
 from mosaic._eval.reference import Reference
 from mosaic._eval.rows import Rows
 from mosaic._eval.run import check_tokens, score_against
-from mosaic._eval.worker import get_runtime
+from mosaic._eval.worker import Preload, get_runtime
 from mosaic._measure.parts import Parts, lay_out
 from mosaic._plan.gguf_units import Unit
+
+#: A candidate to come: its versions and its name (a scorer may load it while it scores the one before).
+Next = tuple[Mapping[int, str], str]
 
 
 class Scorer(Protocol):
     runtime: dict
     timing: dict[str, float]
 
-    def score(self, versions: Mapping[int, str], name: str) -> dict: ...
+    def score(self, versions: Mapping[int, str], name: str, then: Next | None = None) -> dict: ...
 
     def close(self) -> None: ...
 
 
+def memory_available() -> int | None:
+    """Bytes the kernel says can be taken without swapping (``MemAvailable``); ``None`` where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class GGUFScorer:
-    """Candidates as links to parts laid out once; each loaded by llama.cpp by its first part's name."""
+    """Candidates as links to parts laid out once; each loaded by llama.cpp by its first part's name.
+
+    While a candidate decodes, the next one (``then``) is loaded beside it in the worker, so the decode never
+    waits on a load: where the model runs on the CPU (its pages are the files' own, mapped, so the two models
+    share every part but the swapped unit's) and the memory the kernel has to spare holds a second model's
+    bytes twice over. On a GPU a second model would be a second copy of the weights there: never."""
 
     def __init__(self, base: GGUFModel, donors: dict[str, GGUFModel], units: list[Unit], pairs: Iterable[tuple[int, str]],
                  ref: Reference, rows: Rows, workdir: Path, *, threads: int | None = None, verbose: bool = False,
                  gpu_layers: int | str | None = None, progress: Reporter = SILENT) -> None:
         self._rt = get_runtime(threads=threads, verbose=verbose, gpu_layers=gpu_layers)
         self._ref = ref
-        #: this run's seconds loading candidates, waiting for their logits, and in the panel
-        self.timing: dict[str, float] = {"load": 0.0, "decode": 0.0, "panel": 0.0}
+        #: this run's seconds loading candidates (waiting for a preloaded one), waiting for their logits, and in
+        #: the panel; and how many candidates had been loaded while the one before decoded
+        self.timing: dict[str, float] = {"load": 0.0, "decode": 0.0, "panel": 0.0, "preloaded": 0}
         self._parts: Parts = lay_out(workdir, base, units, donors, pairs, progress)
         first = self._parts.candidate({})
         self._check = check_gguf(first)  # the laid-out base, strictly, split keys and all
@@ -56,26 +77,41 @@ class GGUFScorer:
         finally:
             b.close()
         self.runtime = self._rt.info.as_dict()  # after a load: the layers it offloaded
+        spare = memory_available()
+        self.preload = not self.runtime.get("offloaded") and spare is not None and spare >= 2 * base.size
+        self._ahead: tuple[frozenset, Preload] | None = None
 
-    def _open(self, first: Path, name: str) -> GGUFBackend:
+    def _open(self, first: Path, name: str, ticket: Preload | None = None) -> GGUFBackend:
         t0 = time.perf_counter()
         try:
-            return GGUFBackend(dataclasses.replace(self._check, first=first), name, self._rt, self._ref.ctx, self.batch)
+            model = self._rt.load(first, ctx=self._ref.ctx, batch=self.batch, name=name, ticket=ticket)
+            return GGUFBackend(dataclasses.replace(self._check, first=first), name, self._rt, self._ref.ctx, self.batch, model)
         finally:
             self.timing["load"] += time.perf_counter() - t0
 
-    def _score(self, first: Path, name: str) -> dict:
-        b = self._open(first, name)
+    def score(self, versions: Mapping[int, str], name: str, then: Next | None = None) -> dict:
+        key = frozenset(versions.items())
+        ahead, self._ahead = self._ahead, None
+        ticket = ahead[1] if ahead is not None and ahead[0] == key else None
+        if ahead is not None and ticket is None:
+            self._rt.forget()  # not this candidate: its links are about to be re-pointed
+        b = self._open(self._parts.candidate(versions), name, ticket)
+        if ticket is not None:
+            self.timing["preloaded"] += 1
         try:
+            if then is not None and self.preload:
+                # this model is loaded (mapped): its links can be re-pointed at the next one's parts
+                path = self._parts.candidate(then[0])
+                self._ahead = (frozenset(then[0].items()), self._rt.preload(path, ctx=self._ref.ctx, batch=self.batch,
+                                                                            name=then[1]))
             return score_against(self._ref, [b], timing=self.timing)[0]
         finally:
             b.close()
 
-    def score(self, versions: Mapping[int, str], name: str) -> dict:
-        return self._score(self._parts.candidate(versions), name)
-
     def close(self) -> None:
-        pass
+        if self._ahead is not None:
+            self._ahead = None
+            self._rt.forget()
 
 
 class Exl3Scorer:
@@ -109,7 +145,8 @@ class Exl3Scorer:
         finally:
             b.close()
 
-    def score(self, versions: Mapping[int, str], name: str) -> dict:
+    def score(self, versions: Mapping[int, str], name: str, then: Next | None = None) -> dict:
+        """``then`` is not loaded ahead: on the GPU it would be a second copy of the weights."""
         import shutil
 
         import yaml

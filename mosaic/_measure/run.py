@@ -24,6 +24,7 @@ import os
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,7 @@ from mosaic._measure.refine import (
 from mosaic._measure.shards import Shard, in_shard, parse_shard
 from mosaic._measure.sides import Side, exl3_side, gguf_side
 from mosaic._measure.weights import Errors
+from mosaic._plan.gguf_units import Unit
 from mosaic._plan.measurement import SCHEMA_ID, dumps, validation_errors
 from mosaic._sources.gguf import is_gguf_src
 
@@ -391,6 +393,69 @@ def _panel_record(kind: str, p: dict, t0: float, **extra: object) -> dict:
             "rows": [[r["kl"], r["top1"], r["nll"]] for r in p["rows"]], "seconds": time.monotonic() - t0}
 
 
+#: One candidate of the loop: its versions, its name, and the journal record its panel makes (given its start).
+_Job = tuple[dict[int, str], str, Callable[[dict, float], dict]]
+
+
+def _mark_job(kind: str, versions: dict[int, str], marks: dict[str, dict | None]) -> _Job:
+    """The base or the top, kept in ``marks`` for the records told against it."""
+
+    def record(p: dict, t0: float) -> dict:
+        marks[kind] = rec = _panel_record(kind, p, t0)
+        return rec
+
+    return versions, kind, record
+
+
+def _same_as_base(plan: _Plan, base_rec: dict | None, same: list[tuple[int, str]], journal: Journal) -> None:
+    """Donor versions with the base's own bytes: the base's panel, not run."""
+    assert base_rec is not None
+    for ui, d in same:
+        u = plan.side.units[ui]
+        journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "kl": base_rec["kl"], "dkl": 0.0,
+                     "dkl_se": 0.0, "dtop1": 0.0, "dnll": 0.0, "same_as_base": True, "seconds": 0.0})
+
+
+def _swap_job(plan: _Plan, marks: dict[str, dict | None], ui: int, d: str) -> _Job:
+    """The base with unit ``ui`` at donor ``d``'s version: the gain of taking it."""
+    u = plan.side.units[ui]
+
+    def record(p: dict, t0: float) -> dict:
+        base_rec = marks["base"]
+        assert base_rec is not None
+        c_kl = [r["kl"] for r in p["rows"]]
+        return {"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "kl": p["kl"]["mean"],
+                "dkl": p["kl"]["mean"] - base_rec["kl"], "dkl_se": _se(c_kl, [r[0] for r in base_rec["rows"]]),
+                "dtop1": p["top1"] - base_rec["top1"], "dnll": p["nll"] - base_rec["nll"], "seconds": time.monotonic() - t0}
+
+    return {ui: d}, f"{u.describe()} from {d}", record
+
+
+def _drop_record(marks: dict[str, dict | None], kind: str, u: Unit, **extra: object) -> Callable[[dict, float], dict]:
+    def record(p: dict, t0: float) -> dict:
+        top_rec = marks["top"]
+        assert top_rec is not None
+        rec = _panel_record(kind, p, t0, layer=u.layer, group=u.group, **extra)
+        rec["dkl_drop_se"] = _se([r["kl"] for r in p["rows"]], [r[0] for r in top_rec["rows"]])
+        return rec
+
+    return record
+
+
+def _drop_job(plan: _Plan, marks: dict[str, dict | None], ui: int) -> _Job:
+    """The top with unit ``ui`` at its worst version (the base's, or a donor's of fewer bytes): the loss of it."""
+    u = plan.side.units[ui]
+    to = plan.to[ui]
+    return _moved(plan.top_map, ui, to), f"the top with {u.describe()} at {'the base' if to == BASE else to}'s version", _drop_record(marks, "drop", u)
+
+
+def _mid_job(plan: _Plan, marks: dict[str, dict | None], ui: int) -> _Job:
+    """The top with unit ``ui`` at its middle version: the curve's second point."""
+    u, mid = plan.side.units[ui], plan.mids[ui]
+    return ({**plan.top_map, ui: mid}, f"the top with {u.describe()} at {mid}'s version",
+            _drop_record(marks, "drop-mid", u, donor=mid))
+
+
 def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, reference: dict, teacher_path: Path,
          head: dict, out: Path, started: float, progress: Reporter) -> dict:
     side = plan.side
@@ -419,62 +484,26 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
             shutil.rmtree(work, ignore_errors=True)
             scorer = side.scorer(plan.pairs, ref, rows, work, req, progress)
             head = {**head, "runtime": scorer.runtime}  # after a load: what it offloaded, and where
-        if base_rec is None:
+        marks = {"base": base_rec, "top": top_rec}  # the panels the candidates' records are told against
+        ends = [*([_mark_job("base", {}, marks)] if base_rec is None else []),
+                *([_mark_job("top", plan.top_map, marks)] if need_top else [])]
+        jobs = [*(_swap_job(plan, marks, ui, d) for ui, d in swaps), *(_drop_job(plan, marks, ui) for ui in drops),
+                *(_mid_job(plan, marks, ui) for ui in mids)]
+        seq = [*ends, *jobs]
+        advance: Callable[[int], None] = lambda n: None  # noqa: E731  (the candidates' step starts after the ends)
+        for i, (versions, name, record) in enumerate(seq):  # the next one loaded while this one decodes
             assert scorer is not None
+            if i == len(ends):
+                _same_as_base(plan, marks["base"], same, journal)
+                advance = progress.step(f"{len(jobs)} candidates ({len(done) + len(dropped)} measured before)", len(jobs))
             t0 = time.monotonic()
-            base_rec = _panel_record("base", scorer.score({}, "base"), t0)
-            journal.add(base_rec)
-        if need_top:
-            assert scorer is not None
-            t0 = time.monotonic()
-            top_rec = _panel_record("top", scorer.score(plan.top_map, "top"), t0)
-            journal.add(top_rec)
-        b_kl = [r[0] for r in base_rec["rows"]]
-        for ui, d in same:
-            u = units[ui]
-            journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "kl": base_rec["kl"], "dkl": 0.0,
-                         "dkl_se": 0.0, "dtop1": 0.0, "dnll": 0.0, "same_as_base": True, "seconds": 0.0})
-        todo = len(swaps) + len(drops) + len(mids)
-        advance = progress.step(f"{todo} candidates ({len(done) + len(dropped)} measured before)", todo)
-        for ui, d in swaps:
-            assert scorer is not None
-            u = units[ui]
-            t0 = time.monotonic()
-            p = scorer.score({ui: d}, f"{u.describe()} from {d}")
-            c_kl = [r["kl"] for r in p["rows"]]
-            journal.add({"kind": "result", "layer": u.layer, "group": u.group, "donor": d, "kl": p["kl"]["mean"],
-                         "dkl": p["kl"]["mean"] - base_rec["kl"], "dkl_se": _se(c_kl, b_kl),
-                         "dtop1": p["top1"] - base_rec["top1"], "dnll": p["nll"] - base_rec["nll"],
-                         "seconds": time.monotonic() - t0})
-            fault_point("candidate")
-            advance(1)
-        for ui in drops:
-            assert scorer is not None and top_rec is not None
-            u = units[ui]
-            versions = {x: v for x, v in plan.top_map.items() if x != ui}
-            to = plan.to[ui]
-            if to != BASE:
-                versions[ui] = to
-            t0 = time.monotonic()
-            p = scorer.score(versions, f"the top with {u.describe()} at {'the base' if to == BASE else to}'s version")
-            c_kl = [r["kl"] for r in p["rows"]]
-            rec = _panel_record("drop", p, t0, layer=u.layer, group=u.group)
-            rec["dkl_drop_se"] = _se(c_kl, [r[0] for r in top_rec["rows"]])
-            journal.add(rec)
-            fault_point("candidate")
-            advance(1)
-        for ui in mids:
-            assert scorer is not None and top_rec is not None
-            u, mid = units[ui], plan.mids[ui]
-            versions = {**plan.top_map, ui: mid}
-            t0 = time.monotonic()
-            p = scorer.score(versions, f"the top with {u.describe()} at {mid}'s version")
-            c_kl = [r["kl"] for r in p["rows"]]
-            rec = _panel_record("drop-mid", p, t0, layer=u.layer, group=u.group, donor=mid)
-            rec["dkl_drop_se"] = _se(c_kl, [r[0] for r in top_rec["rows"]])
-            journal.add(rec)
-            fault_point("candidate")
-            advance(1)
+            then = (seq[i + 1][0], seq[i + 1][1]) if i + 1 < len(seq) else None
+            journal.add(record(scorer.score(versions, name, then), t0))
+            if i >= len(ends):
+                fault_point("candidate")
+                advance(1)
+        if not jobs:
+            _same_as_base(plan, marks["base"], same, journal)
         if plan.refine:
             _refine(req, journal, plan, head, ref, scorer, work, progress)
     finally:
@@ -601,31 +630,30 @@ def _refine(req: MeasureRequest, journal: Journal, plan: _Plan, head: dict, ref:
             converged = True
             break
         key = versions_key(chosen, units)
-        rec = next((r for r in journal.records if r["kind"] == "round" and r["round"] == rnd), None)
-        if rec is None:
-            t0 = time.monotonic()
-            p = scorer.score(chosen, f"round {rnd}: the plan at {req.max_size:,} bytes")
-            rec = _panel_record("round", p, t0, round=rnd, versions=key, bytes=report["predicted_size"],
-                                predicted_kl=doc["base"]["kl"] + report["predicted_dkl"])
-            journal.add(rec)
-        elif rec["versions"] != key:
-            raise MosaicError(f"--resume: round {rnd} of the refinement planned another mosaic than the interrupted run; "
-                              "measure again without --resume")
         by_unit: dict[tuple[object, object], dict[str, dict]] = {}
         for r in doc["results"]:
             by_unit.setdefault((r["layer"], r["group"]), {})[r["donor"]] = r
         done = {(m["layer"], m["group"]) for m in journal.records if m["kind"] == "move" and m["round"] == rnd}
         todo = [mv for mv in moves(chosen, plan.measured_units, side.versions, plan.errors.eps, side.dbytes)
                 if (units[mv[0]].layer, units[mv[0]].group) not in done]
+        cands = [_moved(chosen, ui, to) for ui, _, to in todo]
+        names = [f"round {rnd}: the plan with {units[ui].describe()} at {to}'s version" for ui, _, to in todo]
+        rec = next((r for r in journal.records if r["kind"] == "round" and r["round"] == rnd), None)
+        if rec is None:
+            t0 = time.monotonic()
+            p = scorer.score(chosen, f"round {rnd}: the plan at {req.max_size:,} bytes", (cands[0], names[0]) if todo else None)
+            rec = _panel_record("round", p, t0, round=rnd, versions=key, bytes=report["predicted_size"],
+                                predicted_kl=doc["base"]["kl"] + report["predicted_dkl"])
+            journal.add(rec)
+        elif rec["versions"] != key:
+            raise MosaicError(f"--resume: round {rnd} of the refinement planned another mosaic than the interrupted run; "
+                              "measure again without --resume")
         advance = progress.step(f"refinement round {rnd}: {len(todo)} moves from the plan", len(todo))
         plan_kl = [row[0] for row in rec["rows"]]
-        for ui, here, to in todo:
+        for i, (ui, here, to) in enumerate(todo):
             u = units[ui]
-            cand = {x: v for x, v in chosen.items() if x != ui}
-            if to != BASE:
-                cand[ui] = to
             t0 = time.monotonic()
-            p = scorer.score(cand, f"round {rnd}: the plan with {u.describe()} at {to}'s version")
+            p = scorer.score(cands[i], names[i], (cands[i + 1], names[i + 1]) if i + 1 < len(todo) else None)
             c_kl = [r["kl"] for r in p["rows"]]
             journal.add({"kind": "move", "round": rnd, "layer": u.layer, "group": u.group, "from": here, "to": to,
                          "kl": p["kl"]["mean"], "dkl": p["kl"]["mean"] - rec["kl"], "dkl_se": _se(c_kl, plan_kl),
@@ -642,6 +670,14 @@ def _refine(req: MeasureRequest, journal: Journal, plan: _Plan, head: dict, ref:
     if not any(r["kind"] == "refined" for r in journal.records):
         assert last is not None
         journal.add({"kind": "refined", "versions": versions_key(last, units), "converged": converged})
+
+
+def _moved(versions: dict[int, str], ui: int, to: str) -> dict[int, str]:
+    """``versions`` with unit ``ui`` at ``to``'s version (the base's: no entry)."""
+    out = {x: v for x, v in versions.items() if x != ui}
+    if to != BASE:
+        out[ui] = to
+    return out
 
 
 def _write(doc: dict, out: Path) -> dict:

@@ -181,6 +181,8 @@ def _merge(parts: list[Path], out: Path, force: bool) -> dict:
     timed = [d["timing"] for _, d in by_k.values() if "timing" in d]
     if timed:
         doc["timing"] = {k: round(sum(t[k] for t in timed), 3) for k in ("load", "decode", "panel")}
+        if any("preloaded" in t for t in timed):
+            doc["timing"]["preloaded"] = sum(t.get("preloaded", 0) for t in timed)
     doc["seconds_per_candidate"] = (round(sum(c * (d["seconds_per_candidate"] or 0.0) for c, d in ran) / total, 3)
                                     if total else None)
     # one run: the teacher, the base (and the top) once, and every candidate
