@@ -150,6 +150,33 @@ def test_loading_each_next_candidate_ahead_changes_no_number(smol: dict[str, Pat
         assert [_numbers(x) for x in _listed(ahead[key])] == [_numbers(x) for x in _listed(alone[key])], key
 
 
+def test_a_preload_needs_the_memory_a_container_leaves_and_no_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mosaic._measure.backends as backends
+
+    info, limit, used = tmp_path / "meminfo", tmp_path / "memory.max", tmp_path / "memory.current"
+    info.write_text("MemTotal:       268435456 kB\nMemAvailable:   262144000 kB\n")
+    monkeypatch.setattr(backends, "MEMINFO", info)
+    monkeypatch.setattr(backends, "CGROUP_MEMORY", ((limit, used), (tmp_path / "v1.limit", tmp_path / "v1.usage")))
+    assert backends.memory_available() == 262144000 * 1024  # no cgroup files: the machine's
+    limit.write_text("max\n")
+    used.write_text("1000\n")
+    assert backends.memory_available() == 262144000 * 1024
+    limit.write_text(f"{8 << 30}\n")
+    used.write_text(f"{5 << 30}\n")
+    assert backends.memory_available() == 3 << 30  # the container's 8 GB, 5 of them used
+    assert backends.preload_allowed({"offloaded": 0}, 1 << 30) and not backends.preload_allowed({"offloaded": 0}, 2 << 30)
+    assert not backends.preload_allowed({"offloaded": 31}, 1 << 20)  # a second copy of the weights on the GPU
+    monkeypatch.setenv("MOSAIC_PRELOAD", "0")
+    assert not backends.preload_allowed({"offloaded": 0}, 1 << 20)
+    limit.unlink()
+    used.unlink()
+    (tmp_path / "v1.limit").write_text(f"{(1 << 63) - 4096}\n")  # v1's "no limit"
+    (tmp_path / "v1.usage").write_text("1000\n")
+    assert backends.memory_available() == 262144000 * 1024
+    info.write_text("MemTotal: 1 kB\n")
+    assert backends.memory_available() is None
+
+
 def _listed(x: object) -> list:
     return x if isinstance(x, list) else [x]
 

@@ -52,6 +52,7 @@ METHODS: dict[str, tuple[list[str], bool, bool]] = {
         (["--method", "top-down", "--curve", "two-point"], False, True),
     "ladder-refine: top-down --refine 1 at the budget over mosaic ladder's rungs, --imatrix":
         (["--method", "top-down", "--refine", "1"], True, True),
+    "ladder-weights: weights over mosaic ladder's rungs, --imatrix": (["--method", "weights"], False, True),
 }
 DEFAULT = "default: top-down, --imatrix"
 #: The methods whose sources are the ladder ``mosaic ladder`` makes of the teacher (``--ladder DIR``), not DONORS.

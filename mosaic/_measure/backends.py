@@ -11,6 +11,7 @@ candidate built as a mosaic of links.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -39,16 +40,40 @@ class Scorer(Protocol):
     def close(self) -> None: ...
 
 
+#: Where the kernel says what memory is left: the machine's, and a cgroup's limit (v2, else v1) and use.
+MEMINFO = Path("/proc/meminfo")
+CGROUP_MEMORY = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+                 (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+
+
 def memory_available() -> int | None:
-    """Bytes the kernel says can be taken without swapping (``MemAvailable``); ``None`` where it does not say."""
+    """Bytes this process could still take without swapping or its container's out-of-memory kill: the
+    machine's ``MemAvailable``, less where a cgroup's limit leaves less; ``None`` where the kernel does not say.
+    A container limited to 8 GB on a 256 GB host sees the host's ``MemAvailable``."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        spare = next(int(line.split()[1]) * 1024 for line in MEMINFO.read_text().splitlines() if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    for limit_path, used_path in CGROUP_MEMORY:
+        try:
+            limit, used = limit_path.read_text().strip(), int(used_path.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # v1 says "no limit" with a huge number, v2 with "max"
+            spare = min(spare, max(0, int(limit) - used))
+        break
+    return spare
+
+
+def preload_allowed(runtime: dict, model_bytes: int) -> bool:
+    """Whether a second candidate may load while one decodes: not when ``MOSAIC_PRELOAD=0``, not when layers
+    are offloaded (a second copy of the weights on the device), and only while the memory to spare holds the
+    model's bytes twice (its pages are the mapped files', shared but for the swapped unit; a CPU's repacked
+    tensors and the context are its own)."""
+    if os.environ.get("MOSAIC_PRELOAD", "1") == "0" or runtime.get("offloaded"):
+        return False
+    spare = memory_available()
+    return spare is not None and spare >= 2 * model_bytes
 
 
 class GGUFScorer:
@@ -77,8 +102,7 @@ class GGUFScorer:
         finally:
             b.close()
         self.runtime = self._rt.info.as_dict()  # after a load: the layers it offloaded
-        spare = memory_available()
-        self.preload = not self.runtime.get("offloaded") and spare is not None and spare >= 2 * base.size
+        self.preload = preload_allowed(self.runtime, base.size)
         self._ahead: tuple[frozenset, Preload] | None = None
 
     def _open(self, first: Path, name: str, ticket: Preload | None = None) -> GGUFBackend:
