@@ -185,7 +185,7 @@ def case_measure_cost(ctx: int, teacher: Path, cand: Path, text: Path, saved: Pa
     row(case, "mosaic measure: seconds per candidate", f"{per:.2f} s", f"{per / statistics.median(evals):.2f} × one eval")
     row(case, "mosaic eval of one model against the saved reference", f"{statistics.median(evals):.2f} s", "1.00 (goal: measure ≤ 1.1 ×)")
     timing = doc.get("timing") or {}
-    spent = sum(timing.values()) or 1.0
+    spent = sum(timing.get(k, 0.0) for k in ("load", "decode", "panel")) or 1.0
     for key in ("load", "decode", "panel"):
         if key in timing:
             row(case, f"mosaic measure: {key}", f"{timing[key]:.2f} s", f"{timing[key] / spent:.2f} of load + decode + panel")

@@ -42,6 +42,8 @@ CALIBRATION = "tests/data/calibration.txt"
 #: label -> (the method's flags, whether it refines at each rival's budget, whether it is weighted)
 METHODS: dict[str, tuple[list[str], bool, bool]] = {
     "default: top-down, --imatrix": (["--method", "top-down"], False, True),
+    "default, each candidate loaded only after the one before (MOSAIC_PRELOAD=0): top-down, --imatrix":
+        (["--method", "top-down"], False, True),
     "top-down --curve two-point, --imatrix": (["--method", "top-down", "--curve", "two-point"], False, True),
     "top-down --refine 1 at the budget, --imatrix": (["--method", "top-down", "--refine", "1"], True, True),
     "top-down, kinds from layers 0, 15, 29, --imatrix": (["--method", "top-down", "--calibrate", "kinds", "--only-layers", "0,15,29"], False, True),
@@ -55,6 +57,7 @@ METHODS: dict[str, tuple[list[str], bool, bool]] = {
     "ladder-weights: weights over mosaic ladder's rungs, --imatrix": (["--method", "weights"], False, True),
 }
 DEFAULT = "default: top-down, --imatrix"
+NO_PRELOAD = next(k for k in METHODS if "MOSAIC_PRELOAD=0" in k)
 #: The methods whose sources are the ladder ``mosaic ladder`` makes of the teacher (``--ladder DIR``), not DONORS.
 LADDER = "ladder: default over mosaic ladder's rungs, --imatrix"
 LADDERS = tuple(k for k in METHODS if "over mosaic ladder's rungs" in k)
@@ -170,7 +173,7 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
             t = time.perf_counter()
             sources = ["--ladder", str(ladder_dir)] if label in LADDERS else ["--base", str(q[BASE]), *donors]
             sh([*MOSAIC, "measure", *sources, *ref, "--unit", "module-group", *flags, *extra,
-                "--out", str(out)], env=env)
+                "--out", str(out)], env={**env, "MOSAIC_PRELOAD": "0"} if "MOSAIC_PRELOAD=0" in label else env)
             walls[key] = time.perf_counter() - t
             docs[key] = json.loads(out.read_text())
             for rival in ([budget] if budget else RIVALS):
@@ -198,7 +201,14 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
         c = got[label]
         row(case, label, f"{_size(models[label]):,} bytes", f"KL {c['kl']['mean']:.4f}, p99 {c['kl']['p99']:.3f}, top-1 {c['top1']:.4f}")
     for key, doc in docs.items():
-        row(case, f"{key}: cost", f"{walls[key]:.0f} s", f"{doc['forward_passes']} forward passes")
+        t = doc.get("timing") or {}
+        spent = ", ".join(f"{k} {t[k]:.1f} s" for k in ("load", "decode", "panel") if k in t)
+        row(case, f"{key}: cost", f"{walls[key]:.0f} s", f"{doc['forward_passes']} forward passes"
+            + (f" ({spent}; {t.get('preloaded', 0)} loaded while the one before decoded)" if t else ""))
+    if DEFAULT in docs and NO_PRELOAD in docs:
+        row(case, "loading each next candidate while one decodes", f"{walls[DEFAULT] / walls[NO_PRELOAD]:.2f} × the wall "
+            "time of loading one after the other", "the same plans" if all(
+                plans[f"{DEFAULT} @ {r}"]["chosen"] == plans[f"{NO_PRELOAD} @ {r}"]["chosen"] for r in RIVALS) else "OTHER PLANS")
     for name in plans:
         c = got[name]
         rival = name.rsplit(" @ ", 1)[1]
