@@ -101,7 +101,9 @@ def test_ratios_and_scaled_predictions_follow_from_the_moves(models: dict[str, P
             num = sum((1 if m["predicted"] > 0 else -1) * m["dkl"] for m in mv)
             den = sum(abs(m["predicted"]) for m in mv)
             assert rt["moves"] == len(mv) and rt["ratio"] == pytest.approx(max(0.0, num / den), rel=1e-12)
-            scale[kind] = scale.get(kind, 1.0) * rt["ratio"]
+            r, se = rt["ratio"], rt["ratio_se"]
+            near = min(1.0, r + 2 * se) if r < 1 else max(1.0, r - 2 * se)  # nearest 1 within two SEs
+            scale[kind] = scale.get(kind, 1.0) * near
     assert refined["refinement"]["scales"] == pytest.approx(scale, rel=1e-12)
     for r in refined["results"]:
         b = before[(r["layer"], r["group"], r["donor"])]
@@ -185,3 +187,18 @@ def test_moves_go_down_where_a_version_lies_below_and_up_only_from_the_bottom() 
     plan = {1: "q8", 2: "q2"}
     got = moves(plan, [0, 1, 2, 3], versions, eps, nbytes)
     assert got == [(0, "base", "q2"), (1, "q8", "base"), (2, "q2", "q8"), (3, "base", "q8")]
+
+
+def test_a_kind_moves_only_as_far_as_its_moves_prove_the_model_wrong() -> None:
+    """A ratio near the plan is a measurement: taken as the value nearest 1 within two standard errors. At face
+    value, a noisy 0 made every version of a kind free and the next plan dropped it to the ladder's worst."""
+    from mosaic._measure.refine import credible, scales
+
+    def rnd(**ratios: tuple[float, float]) -> dict:
+        return {"ratios": {k: {"ratio": r, "ratio_se": se, "moves": 30} for k, (r, se) in ratios.items()}}
+
+    assert credible(0.0, 1.644) == 1.0 and credible(1.262, 0.2) == 1.0  # the interval holds 1: no change
+    assert credible(9.628, 1.585) == pytest.approx(6.458) and credible(0.5, 0.1) == pytest.approx(0.7)
+    assert credible(0.0, 0.0) == 0.0  # proved to be free: free
+    got = scales([rnd(attn_k=(0.0, 1.644), ffn_down=(11.698, 3.11)), rnd(ffn_down=(0.5, 0.05), attn_v=(2.0, 0.25))])
+    assert got == pytest.approx({"attn_k": 1.0, "ffn_down": (11.698 - 6.22) * 0.6, "attn_v": 1.5})

@@ -12,9 +12,15 @@ feed-forward ones a 3-bit model needs). So, after the top-down measurement:
    at its worst version *up* to its best;
 3. per kind of unit (``attn_v``, ``ffn_down``, ...), the ratio of what those moves measured to what the
    current model predicted for them, pooled over every layer: ``r_k = Σ s·dkl / Σ |predicted|`` (``s`` the
-   predicted move's sign), at least 0;
-4. every unit's alpha times its kind's ratio, every (unit, donor) ``dkl`` predicted again, and back to 1
-   until the plan repeats or ``N`` rounds have run.
+   predicted move's sign), at least 0, with its standard error;
+4. every unit's alpha times its kind's *credible* ratio, every (unit, donor) ``dkl`` predicted again, and back
+   to 1 until the plan repeats or ``N`` rounds have run.
+
+The credible ratio is the value nearest 1 within two standard errors of ``r_k``: the model moves only as far as
+the moves prove it wrong. A kind's scale multiplies its whole curve, down to its worst version, from moves of
+one version each near the plan; near a good plan those moves are as small as their noise, and a ratio taken at
+face value there (0 ± 1.6, as SmolLM2's attention kinds measured one round at Q4_K_M's bytes) makes every version
+of the kind free: the next plan dropped them to the ladder's IQ1_S and its KL was 30 × the rival's.
 
 Why per kind and not per unit: one unit's move at the operating point changes the KL by as little as its
 noise (a model at KL 0.1 is noisy where the top, at 0.005, is not), while a kind pooled over 30 layers is
@@ -73,13 +79,18 @@ def kind_ratios(records: Sequence[Mapping[str, object]]) -> dict[str, dict[str, 
     return {k: {"ratio": max(0.0, num[k] / den[k]), "ratio_se": math.sqrt(var[k]) / den[k], "moves": n[k]} for k in sorted(num)}
 
 
+def credible(ratio: float, se: float) -> float:
+    """The value nearest 1 within two standard errors of ``ratio`` (1 itself when the interval holds it)."""
+    return min(1.0, ratio + 2 * se) if ratio < 1 else max(1.0, ratio - 2 * se)
+
+
 def scales(rounds: Sequence[Mapping[str, object]]) -> dict[str, float]:
-    """Each kind's scale after ``rounds``: the product of its ratios (a kind a round did not measure keeps
-    what it had)."""
+    """Each kind's scale after ``rounds``: the product of its credible ratios (a kind a round did not measure
+    keeps what it had)."""
     out: dict[str, float] = {}
     for rd in rounds:
         for k, r in rd["ratios"].items():  # type: ignore[attr-defined]
-            out[k] = out.get(k, 1.0) * float(r["ratio"])
+            out[k] = out.get(k, 1.0) * credible(float(r["ratio"]), float(r["ratio_se"]))
     return out
 
 
