@@ -220,7 +220,9 @@ def test_shards_merged_are_the_one_run(top_down: dict, smol: dict[str, Path], tm
     doc = json.loads(merged.read_text())
     one = json.loads(json.dumps(top_down))
     spent = [json.loads(p.read_text())["timing"] for p in parts]  # where each part's time went, summed
-    assert doc["timing"] == {k: pytest.approx(sum(t[k] for t in spent), abs=2e-3) for k in ("load", "decode", "panel")}
+    assert doc["timing"] == {**{k: pytest.approx(sum(t[k] for t in spent), abs=2e-3) for k in ("load", "decode", "panel")},
+                             "preloaded": sum(t["preloaded"] for t in spent)}
+    assert doc["timing"]["preloaded"] > 0  # each part's next candidates were loaded while one decoded
     for d in (doc, one):
         for key in ("seconds", "seconds_per_candidate", "timing"):
             d.pop(key)
@@ -381,7 +383,8 @@ def test_where_the_time_went_is_reported_apart_from_the_runtime(top_down: dict, 
     """`timing` (load, decode, panel seconds) beside the document, never in `runtime`, which saved references and
     `--merge` compare: a measurement's candidates were loaded, decoded and scored, and eval says the same of its own."""
     t = top_down["timing"]
-    assert set(t) == {"load", "decode", "panel"} and t["load"] > 0 and t["decode"] > 0 and t["panel"] > 0
+    assert set(t) == {"load", "decode", "panel", "preloaded"} and t["load"] > 0 and t["decode"] > 0 and t["panel"] > 0
+    assert 0 < t["preloaded"] < top_down["forward_passes"]  # every candidate but the first loaded while one decoded
     assert t["decode"] + t["panel"] + t["load"] <= top_down["seconds"]
     assert "timing" not in (top_down["runtime"] or {})
     ev = evaluate(EvalRequest([str(smol["Q8_0"])], str(smol["saved"]), smol["measure"]))
