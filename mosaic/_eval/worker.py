@@ -243,7 +243,6 @@ class Worker:
 class Preload:
     """A model the worker is loading beside its other work: ``load(..., ticket=)`` with the same path claims it."""
 
-    path: Path
     ticket: int
     generation: int
 
@@ -354,7 +353,7 @@ class WorkerRuntime:
         room for them."""
         head, _ = self.worker.call(f"preloading {path}", {"op": "preload", "path": str(path), "ctx": ctx, "batch": batch})
         self.worker.preloading = name or str(path)
-        return Preload(path, int(head["ok"]), self.worker.generation)
+        return Preload(int(head["ok"]), self.worker.generation)
 
     def forget(self) -> None:
         """The preload not claimed, if any, finished and closed."""

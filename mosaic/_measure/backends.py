@@ -80,9 +80,7 @@ class GGUFScorer:
     """Candidates as links to parts laid out once; each loaded by llama.cpp by its first part's name.
 
     While a candidate decodes, the next one (``then``) is loaded beside it in the worker, so the decode never
-    waits on a load: where the model runs on the CPU (its pages are the files' own, mapped, so the two models
-    share every part but the swapped unit's) and the memory the kernel has to spare holds a second model's
-    bytes twice over. On a GPU a second model would be a second copy of the weights there: never."""
+    waits on a load, where :func:`preload_allowed` says there is room for it."""
 
     def __init__(self, base: GGUFModel, donors: dict[str, GGUFModel], units: list[Unit], pairs: Iterable[tuple[int, str]],
                  ref: Reference, rows: Rows, workdir: Path, *, threads: int | None = None, verbose: bool = False,
