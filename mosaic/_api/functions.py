@@ -609,6 +609,7 @@ def measure(
     top_k: int | None = None,
     shard: str | None = None,
     imatrix: PathLike | None = None,
+    imatrix_cap: bool = False,
     refine: int = 0,
     max_size: int | str | None = None,
     merge: Sequence[PathLike] | None = None,
@@ -635,7 +636,9 @@ def measure(
     log-midpoint of the top's and the base's weight errors: each unit's loss as two lines).
     ``unit``: ``layer``, ``layer-experts`` or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list.
     ``imatrix``: an importance matrix (llama-imatrix's GGUF or legacy ``.dat``, a file or a pinned hub file
-    ``"ORG/NAME@COMMIT:FILE"``) that weights every weight error by each input channel's importance (GGUF bases).
+    ``"ORG/NAME@COMMIT:FILE"``) that weights every weight error by each input channel's importance (GGUF bases);
+    ``imatrix_cap``: those importances held under a robust ceiling first (a row's median × e^(3.5 robust standard
+    deviations of its logs)), so that one channel of massive activations cannot hide the error of every other.
     ``refine``: rounds of measurement where the plan of ``max_size`` bytes (a number or ``"93.5M"``) lands
     (``top-down``, GGUF): each round runs that plan and one move of every measured unit from it, and scales each
     kind of unit by what its moves measured against the prediction.
@@ -667,7 +670,8 @@ def measure(
 
         given = [k for k, v in (("base", base), ("donors", donors), ("reference", reference), ("text", text),
                                 ("shard", shard), ("only_layers", only_layers), ("imatrix", imatrix),
-                                ("max_size", max_size), ("ladder", ladder)) if v is not None] + (["refine"] if refine else [])
+                                ("max_size", max_size), ("ladder", ladder)) if v is not None] + (["refine"] if refine else []) \
+            + (["imatrix_cap"] if imatrix_cap else [])
         if given:
             raise MosaicError(f"--merge joins the shards' documents alone: {', '.join(given)} not used")
         return MeasureResult(Path(out), _merge([Path(p) for p in merge], Path(out), force=force))
@@ -688,7 +692,7 @@ def measure(
                          None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard,
                          None if imatrix is None else os.fspath(imatrix), refine,
                          parse_size(max_size) if isinstance(max_size, str) else max_size, parse_gpu_layers(gpu_layers), curve,
-                         ladder is not None)
+                         ladder is not None, imatrix_cap)
     with _running(progress, unit="candidates") as r:
         doc = _measure(req, r)
     return MeasureResult(Path(out), doc)

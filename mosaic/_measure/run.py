@@ -53,7 +53,7 @@ from mosaic._measure.calibrate import (
     unit_key,
     worst_versions,
 )
-from mosaic._measure.importance import load_importance
+from mosaic._measure.importance import CAP, load_importance
 from mosaic._measure.journal import Journal, journal_path
 from mosaic._measure.parts import check_space
 from mosaic._measure.refine import (
@@ -102,6 +102,7 @@ class MeasureRequest:
     gpu_layers: int | str | None = None  # llama.cpp's offload ("all", a count; None: the default)
     curve: str = "line"  # top-down: one drop per unit (a line), or two (to the base's and a middle version)
     ladder: bool = False  # the sources are a ladder's rungs: a unit alike in several (type and bytes) is one version
+    imatrix_cap: bool = False  # --imatrix-cap: the importances held under a robust ceiling (importance.capped)
 
 
 def _remove_stale_work(workdir: Path, name: str) -> None:
@@ -204,9 +205,12 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
     if req.imatrix is not None and not gguf:
         raise MosaicError(f"--imatrix weights the errors of GGUF tensors, and the base {req.base} is an EXL3 checkpoint "
                           "(its quantizer weighs its own errors); leave --imatrix out")
+    if req.imatrix_cap and req.imatrix is None:
+        raise MosaicError("--imatrix-cap holds an importance matrix's values under a ceiling: give the matrix with --imatrix")
     rows = load_rows(req.text) if req.text is not None else None  # cheap checks first: the side hashes the sources
     side = gguf_side(req, progress) if gguf else exl3_side(req, progress)
-    importance = load_importance(req.imatrix, side.tensors, progress) if req.imatrix is not None else None
+    importance = (load_importance(req.imatrix, side.tensors, progress, CAP if req.imatrix_cap else None)
+                  if req.imatrix is not None else None)
     measured_units = _measured_units(req, side)
 
     reference: dict | None = None

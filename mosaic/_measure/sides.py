@@ -143,8 +143,7 @@ def gguf_side(req: object, progress: Reporter) -> Side:
             t = (model, _digests(recs))
         models: dict[str, object] = {"base": base, **donors}
         digests = {"base": _digests(base_files), **{d: _digests(files[d]) for d in donors}}
-        return gguf_errors(units, models, digests, t, threads, progress,
-                           None if importance is None else (importance.imatrix, importance.sha256))
+        return gguf_errors(units, models, digests, t, threads, progress, importance)
 
     def scorer(pairs: Iterable[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
         return GGUFScorer(base, donors, units, pairs, ref, rows, work, threads=req.threads,  # type: ignore[attr-defined]

@@ -35,7 +35,7 @@ from mosaic._base.hashing import parallel_map
 from mosaic._base.progress import SILENT, Reporter
 from mosaic._build.digest_cache import cache_root
 from mosaic._eval.backends import exllamav3_rows
-from mosaic._formats.imatrix import Imatrix
+from mosaic._measure.importance import Importance
 
 #: Working memory of all threads together, whatever the tensors (raw bytes, dequantized floats, float64
 #: copies and the difference of the chunks in flight).
@@ -242,7 +242,7 @@ class Cache:
 @dataclass(frozen=True)
 class Weighting:
     """The importance of a tensor's input channels: ``key`` names it in the cache (the importance matrix's
-    SHA-256), ``load`` reads ``s`` (shape ``(experts, row)``, mean 1) when the tensor's sums are computed."""
+    SHA-256, and its ceiling where it has one), ``load`` reads ``s`` (shape ``(experts, row)``, mean 1) when the tensor's sums are computed."""
 
     key: str
     load: Callable[[], np.ndarray]
@@ -324,12 +324,12 @@ def _stored(model: object, t: object, digests: dict[str, str]) -> Stored:
 
 def gguf_errors(units: Sequence[object], versions: dict[str, object], digests: dict[str, dict[str, str]],
                 teacher: tuple[object, dict[str, str]] | None, threads: int, progress: Reporter = SILENT,
-                importance: tuple[Imatrix, str] | None = None) -> Errors:
+                importance: Importance | None = None) -> Errors:
     """The weight errors of GGUF units. ``versions``: ``"base"`` and each donor id → its model (base first,
     then the donors in order: the order that breaks a tie of bits per weight); ``digests``: each version's
     file name → SHA-256; ``teacher``: the teacher model and its digests, when it is a model; ``importance``:
-    an importance matrix checked against the base (:meth:`Imatrix.for_model`) and its SHA-256, whose values
-    weight every square of the tensors it holds (the others keep ``s = 1``). A unit's versions are the base's
+    an importance matrix checked against the base (:meth:`Imatrix.for_model`), whose values (under its ceiling,
+    where it has one) weight every square of the tensors it holds (the others keep ``s = 1``). A unit's versions are the base's
     and those of the donors holding every tensor of it with the base's shape."""
     by_name = {vid: m.by_name() for vid, m in versions.items()}  # type: ignore[attr-defined]
     base_t = by_name["base"]
@@ -355,8 +355,8 @@ def gguf_errors(units: Sequence[object], versions: dict[str, object], digests: d
                        key=lambda vid: by_name[vid][n].nbytes / max(1, by_name[vid][n].elements))
             refs[n] = stored(best, n)
         weighting = None
-        if importance is not None and n in importance[0].entries and not importance[0].entries[n].empty:
-            weighting = Weighting(importance[1], lambda n=n: importance[0].weights(n))
+        if importance is not None and n in importance.imatrix.entries and not importance.imatrix.entries[n].empty:
+            weighting = Weighting(importance.key, lambda n=n: importance.weights(n))
         tasks.append(Task(n, refs[n], (refs[n], *(stored(vid, n) for vid in versions if holds(vid, n))), weighting))
     sums = tensor_sums(tasks, threads, progress)
     eps: dict[tuple[int, str], float] = {}

@@ -429,6 +429,9 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--imatrix", "imatrix", default=None, metavar="SRC",
               help="An importance matrix (llama-imatrix's .gguf or .dat; a file or org/name@<commit>:<file>) weighting "
                    "every weight error by how much each input channel matters (GGUF bases).")
+@click.option("--imatrix-cap", "imatrix_cap", is_flag=True,
+              help="Hold each channel's importance under a robust ceiling (its row's median × e^(3.5 robust SDs of the "
+                   "logs)), so that one channel of massive activations cannot hide every other channel's error.")
 @click.option("--refine", type=click.IntRange(1, 100), default=None, metavar="N",
               help="top-down: up to N rounds measured where the plan of --max-size lands (one move of every unit from it), "
                    "each kind of unit rescaled by what its moves measured, until the plan repeats.")
@@ -449,7 +452,7 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @_guarded
 def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], ladder: Path | None, reference: str | None, text: Path | None,
                 method: str, calibrate: str, curve: str, unit: str | None, only_layers: str | None, ctx: int | None, top_k: int | None,
-                imatrix: str | None, refine: int | None, max_size: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
+                imatrix: str | None, imatrix_cap: bool, refine: int | None, max_size: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
                 force: bool, threads: int | None, gpu_layers: str | None, verbose: bool, as_json: bool) -> None:
     """Measure what each unit buys from each donor, on the model, for mosaic plan: by default from the weight
     errors in the files, calibrated from the top (one forward pass per unit); --merge joins a sharded one."""
@@ -462,7 +465,7 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
     if merge:
         res = api.measure(merge=list(parts), out=out, force=force, base=base, donors=list(donors) or None,
                           reference=reference, text=text, shard=shard, only_layers=only_layers, imatrix=imatrix,
-                          refine=refine or 0, max_size=max_size, ladder=ladder)
+                          imatrix_cap=imatrix_cap, refine=refine or 0, max_size=max_size, ladder=ladder)
     else:
         if ladder is None and (base is None or not donors):
             raise MosaicError("give --base SRC and at least one --donor ID=SRC, or --ladder DIR (or --merge PART.json ...)")
@@ -470,7 +473,7 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
                           method=method, calibrate=calibrate,
                           curve=curve,
                           unit=unit, only_layers=only_layers, ctx=ctx, top_k=top_k, shard=shard, imatrix=imatrix,
-                          refine=refine or 0, max_size=max_size, out=out, workdir=workdir,
+                          imatrix_cap=imatrix_cap, refine=refine or 0, max_size=max_size, out=out, workdir=workdir,
                           resume=resume, force=force, threads=threads, gpu_layers=gpu_layers, verbose=verbose,
                           progress=_bars(as_json))
     doc = res.as_dict()

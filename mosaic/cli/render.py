@@ -365,7 +365,8 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
     im = s.get("imatrix")
     if im is not None:
         console.print(f"weighted by the importance matrix sha256 {im['sha256']} ({im['format']}, {len(im['weighted'])} tensors; "
-                      f"made from {lit(', '.join(im['datasets']) or 'an unnamed text')}, {im['chunk_count']} chunks)")
+                      f"made from {lit(', '.join(im['datasets']) or 'an unnamed text')}, {im['chunk_count']} chunks)"
+                      + (f", each value held under its row's median × e^({im['cap']:g} robust SDs)" if "cap" in im else ""))
     for note in doc.get("notes") or ():
         console.print(f"note: {lit(note)}")
     if b["kl"] is not None:
