@@ -55,6 +55,9 @@ METHODS: dict[str, tuple[list[str], bool, bool]] = {
     "ladder-refine: top-down --refine 1 at the budget over mosaic ladder's rungs, --imatrix":
         (["--method", "top-down", "--refine", "1"], True, True),
     "ladder-weights: weights over mosaic ladder's rungs, --imatrix": (["--method", "weights"], False, True),
+    "ladder-cap: default over mosaic ladder's rungs, --imatrix --imatrix-cap": (["--method", "top-down", "--imatrix-cap"], False, True),
+    "ladder-cap-kinds: top-down --calibrate kinds (every layer) over mosaic ladder's rungs, --imatrix --imatrix-cap":
+        (["--method", "top-down", "--imatrix-cap", "--calibrate", "kinds", "--only-layers", "0-29"], False, True),
 }
 DEFAULT = "default: top-down, --imatrix"
 NO_PRELOAD = next(k for k in METHODS if "MOSAIC_PRELOAD=0" in k)
