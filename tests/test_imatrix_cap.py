@@ -152,3 +152,15 @@ def test_a_ceiling_without_a_matrix_is_one_line_and_nothing_is_written(ladder: d
     assert not out.exists() and not list(tmp_path.iterdir())
     with pytest.raises(mosaic.MosaicError, match="imatrix_cap not used"):
         mosaic.measure(merge=[out], out=tmp_path / "j.json", imatrix_cap=True)
+
+
+def test_the_command_line_says_the_values_were_held_under_the_ceiling(ladder: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    r = CliRunner().invoke(main, ["measure", "--base", str(ladder["Q4_0"]), "--donor", f"q8={ladder['Q8_0']}",
+                                  "--reference", str(ladder["F16"]), "--method", "weights", "--unit", "module-group",
+                                  "--imatrix", str(ladder["imatrix"]), "--imatrix-cap", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "held under its row's median × e^(3.5 robust SDs)" in " ".join(r.output.split())
+    from mosaic._plan.measurement import load_measurement
+
+    assert load_measurement(out)["settings"]["imatrix"]["cap"] == 3.5  # the schema knows the field
