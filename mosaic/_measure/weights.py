@@ -242,7 +242,8 @@ class Cache:
 @dataclass(frozen=True)
 class Weighting:
     """The importance of a tensor's input channels: ``key`` names it in the cache (the importance matrix's
-    SHA-256, and its ceiling where it has one), ``load`` reads ``s`` (shape ``(experts, row)``, mean 1) when the tensor's sums are computed."""
+    SHA-256, and its ceiling where it has one), ``load`` reads ``s`` (shape ``(experts, row)``, mean 1) when the
+    tensor's sums are computed."""
 
     key: str
     load: Callable[[], np.ndarray]
@@ -329,8 +330,8 @@ def gguf_errors(units: Sequence[object], versions: dict[str, object], digests: d
     then the donors in order: the order that breaks a tie of bits per weight); ``digests``: each version's
     file name → SHA-256; ``teacher``: the teacher model and its digests, when it is a model; ``importance``:
     an importance matrix checked against the base (:meth:`Imatrix.for_model`), whose values (under its ceiling,
-    where it has one) weight every square of the tensors it holds (the others keep ``s = 1``). A unit's versions are the base's
-    and those of the donors holding every tensor of it with the base's shape."""
+    where it has one) weight every square of the tensors it holds (the others keep ``s = 1``). A unit's versions
+    are the base's and those of the donors holding every tensor of it with the base's shape."""
     by_name = {vid: m.by_name() for vid, m in versions.items()}  # type: ignore[attr-defined]
     base_t = by_name["base"]
     tmodel, tdig = teacher if teacher is not None else (None, {})
