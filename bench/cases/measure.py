@@ -49,6 +49,7 @@ METHODS: dict[str, tuple[list[str], bool, bool]] = {
     "top-down, kinds from layers 0, 15, 29, --imatrix": (["--method", "top-down", "--calibrate", "kinds", "--only-layers", "0,15,29"], False, True),
     "weights, --imatrix": (["--method", "weights"], False, True),
     "default without --imatrix": (["--method", "top-down"], False, False),
+    "default with the matrix under its ceiling: top-down, --imatrix --imatrix-cap": (["--method", "top-down", "--imatrix-cap"], False, True),
     "ladder: default over mosaic ladder's rungs, --imatrix": (["--method", "top-down"], False, True),
     "ladder-two-point: top-down --curve two-point over mosaic ladder's rungs, --imatrix":
         (["--method", "top-down", "--curve", "two-point"], False, True),
