@@ -18,6 +18,7 @@ import mosaic
 from mosaic._measure.importance import CAP, capped
 from mosaic.cli.commands import main
 from mosaic.testing.gguf import Geometry, imatrix_targets, imatrix_values, write_imatrix, write_llama_gguf
+from tests.test_imatrix import _floats, _in_sum2
 
 GEO = Geometry(n_layer=2)
 MASSIVE = "blk.0.attn_q.weight"
@@ -84,14 +85,6 @@ def ladder(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _floats(path: Path, name: str) -> np.ndarray:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    t = next(x for x in GGUFReader(str(path)).tensors if x.name == name)
-    return dequantize(t.data, t.tensor_type).astype(np.float64)
-
-
 def _eps(model: Path, teacher: Path, s: np.ndarray | None) -> float:
     """The contract's NumPy reference for a dense tensor, with the weights ``s`` (None: unweighted)."""
     w, r = _floats(model, MASSIVE), _floats(teacher, MASSIVE)
@@ -107,26 +100,20 @@ def _measure(p: dict[str, Path], out: Path, **kw: object) -> dict:
 
 
 def test_the_ceiling_lets_every_channel_s_error_count_again(ladder: dict[str, Path], tmp_path: Path) -> None:
-    from gguf import GGUFReader
-
-    t = next(x for x in GGUFReader(str(ladder["imatrix"])).tensors if x.name == MASSIVE + ".in_sum2")
-    raw_s = np.asarray(t.data, dtype=np.float64).reshape(1, -1)
+    raw_s = _in_sum2(ladder["imatrix"], MASSIVE)
     raw_s = raw_s / raw_s.mean()
     capped_s = np.minimum(raw_s, _ceiling(raw_s[0], CAP))
     raw = _measure(ladder, tmp_path / "raw.json", imatrix=ladder["imatrix"])
     cap = _measure(ladder, tmp_path / "cap.json", imatrix=ladder["imatrix"], imatrix_cap=True)
     assert "cap" not in raw["settings"]["imatrix"] and cap["settings"]["imatrix"]["cap"] == CAP
+    by_raw = {(x["layer"], x["group"]): x["eps_base"] for x in raw["results"]}
+    by_cap = {(x["layer"], x["group"]): x["eps_base"] for x in cap["results"]}
     key = (0, "attn_q")
-    r = {(x["layer"], x["group"]): x for x in raw["results"]}[key]
-    c = {(x["layer"], x["group"]): x for x in cap["results"]}[key]
-    assert r["eps_base"] == pytest.approx(_eps(ladder["Q4_0"], ladder["F16"], raw_s), rel=1e-9)
-    assert c["eps_base"] == pytest.approx(_eps(ladder["Q4_0"], ladder["F16"], capped_s), rel=1e-9)
+    assert by_raw[key] == pytest.approx(_eps(ladder["Q4_0"], ladder["F16"], raw_s), rel=1e-9)
+    assert by_cap[key] == pytest.approx(_eps(ladder["Q4_0"], ladder["F16"], capped_s), rel=1e-9)
     # a tensor without a massive channel weighs (almost) as before: its row is inside its ceiling
-    others = [(x["layer"], x["group"]) for x in raw["results"] if x["group"] in ("attn_k", "ffn_up")]
-    for k in others:
-        a = {(x["layer"], x["group"]): x for x in raw["results"]}[k]["eps_base"]
-        b = {(x["layer"], x["group"]): x for x in cap["results"]}[k]["eps_base"]
-        assert b == pytest.approx(a, rel=0.2), k
+    for k in (k for k in by_raw if k[1] in ("attn_k", "ffn_up")):
+        assert by_cap[k] == pytest.approx(by_raw[k], rel=0.2), k
     # the sums are cached apart: the raw figures again, from the cache, are the raw ones
     again = _measure(ladder, tmp_path / "again.json", imatrix=ladder["imatrix"])
     assert [x["eps"] for x in again["results"]] == [x["eps"] for x in raw["results"]]

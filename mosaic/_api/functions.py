@@ -670,8 +670,8 @@ def measure(
 
         given = [k for k, v in (("base", base), ("donors", donors), ("reference", reference), ("text", text),
                                 ("shard", shard), ("only_layers", only_layers), ("imatrix", imatrix),
-                                ("max_size", max_size), ("ladder", ladder)) if v is not None] + (["refine"] if refine else []) \
-            + (["imatrix_cap"] if imatrix_cap else [])
+                                ("max_size", max_size), ("ladder", ladder)) if v is not None] \
+            + [k for k, on in (("refine", refine), ("imatrix_cap", imatrix_cap)) if on]
         if given:
             raise MosaicError(f"--merge joins the shards' documents alone: {', '.join(given)} not used")
         return MeasureResult(Path(out), _merge([Path(p) for p in merge], Path(out), force=force))
