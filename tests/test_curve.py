@@ -39,8 +39,13 @@ def test_the_second_point_is_nearest_the_log_midpoint() -> None:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_models(tmp_path_factory.mktemp("curve"))
+
+
+def make_models(d: Path) -> dict[str, Path]:
+    """A two-layer synthetic llama in ``d``: the Q4_0 base, the donors, the F16 teacher, the rows and the teacher's
+    saved top-k on them."""
     needs_runtime()
-    d = tmp_path_factory.mktemp("curve")
     paths = {q: write_llama_gguf(d / f"{q}.gguf", qtype=q, seed=9, geometry=GEO)[0] for q in ("Q4_0", *DONORS.values(), "F16")}
     (d / "rows.txt").write_text(ROWS)
     paths["rows"] = d / "rows.txt"

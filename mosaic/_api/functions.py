@@ -632,8 +632,10 @@ def measure(
     predicted from both), ``"weights"`` (the weight errors alone, nothing runs: no ``reference`` needed, no
     ``text``) or ``"swaps"`` (every "base + one unit from one donor" run). ``calibrate``: ``"units"`` (each
     unit its own) or ``"kinds"`` (each kind of unit pooled over ``only_layers``, given to every layer).
-    ``curve``: ``"line"`` (one drop per unit) or ``"two-point"`` (a second drop, to the version nearest the
-    log-midpoint of the top's and the base's weight errors: each unit's loss as two lines).
+    ``curve``: ``"line"`` (one drop per unit), ``"two-point"`` (a second drop, to the version nearest the
+    log-midpoint of the top's and the worst's weight errors: each unit's loss as two lines) or ``"versions"``
+    (each kind's measured units moved together to each of their versions, one forward pass per kind and version:
+    each unit's line times its kind's factor there, where that measurement proves the line wrong).
     ``unit``: ``layer``, ``layer-experts`` or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list.
     ``imatrix``: an importance matrix (llama-imatrix's GGUF or legacy ``.dat``, a file or a pinned hub file
     ``"ORG/NAME@COMMIT:FILE"``) that weights every weight error by each input channel's importance (GGUF bases);

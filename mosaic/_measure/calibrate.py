@@ -11,14 +11,16 @@ base (one unit swapped into a broken model) it drowns in it.
 
 ``units`` calibration gives each measured unit its own alpha; ``kinds`` pools the units of a kind (``attn_v``,
 ``ffn_down``, ...: the unit's group; ``layer`` for whole layers) over the measured layers and gives the pooled
-alpha to that kind in every layer. Everything here is arithmetic on the document's own records, so the same
+alpha to that kind in every layer. A line assumes that a version costs what its weight error says, whatever its
+type; ``--curve versions`` measures each kind's units moved together to each version and multiplies the line
+there by a factor, the measured rise over the predicted one, taken only as far as it is proved (:func:`credible`). Everything here is arithmetic on the document's own records, so the same
 functions assemble a measurement after one run and after ``--merge`` of its shards.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 BASE = "base"
@@ -151,11 +153,58 @@ def predicted(alpha: Alpha | None, eps_base: float, eps_donor: float, base_kl: f
             "dkl_se": None if alpha is None else alpha.se * abs(gain), "dtop1": None, "dnll": None, "predicted": True}
 
 
+def credible(ratio: float, se: float) -> float:
+    """The value nearest 1 within two standard errors of ``ratio`` (1 itself when the interval holds it): a
+    correction moves the model only as far as its measurement proves the model wrong."""
+    return min(1.0, ratio + 2 * se) if ratio < 1 else max(1.0, ratio - 2 * se)
+
+
+def _alphas(measured: Sequence[Mapping[str, object]], calibrate: str) -> Callable[[object, object], Alpha]:
+    """``(layer, group) -> Alpha``: each unit's own (``units``; 0 for a unit not run, whose top version is the
+    base's) or its kind's pooled alpha (``kinds``)."""
+    if calibrate == "kinds":
+        by_kind = {k: a for k, (a, _) in kind_alphas(measured).items()}
+        return lambda layer, group: by_kind.get(kind_of(group), Alpha(0.0, 0.0))  # type: ignore[arg-type]
+    own = {unit_key(m["layer"], m["group"]): alpha_of(m["dkl_drop"], m["dkl_drop_se"], drop_end(m), m["eps_top"])  # type: ignore[arg-type]
+           for m in measured}
+    return lambda layer, group: own.get(unit_key(layer, group), Alpha(0.0, 0.0))  # type: ignore[arg-type]
+
+
+def version_factors(pooled: Sequence[Mapping[str, object]], measured: Sequence[Mapping[str, object]],
+                    rows: Sequence[Mapping[str, object]], calibrate: str) -> list[dict]:
+    """``--curve versions``: each pooled candidate (a kind's measured units moved together to one version) with
+    what the line predicted for it (the sum of its units' ``alpha × (eps_v − eps_top)``), the ratio of the
+    measured rise to that sum, its standard error, and the ``factor`` the kind's curve takes at that version: the
+    credible ratio, at least 0 (1 where the line predicted nothing)."""
+    alpha = _alphas(measured, calibrate)
+    top = {unit_key(m["layer"], m["group"]): float(m["eps_top"]) for m in measured}  # type: ignore[arg-type]
+    eps: dict[tuple[str, str], float] = {}
+    for r in rows:
+        key = unit_key(r["layer"], r["group"])  # type: ignore[arg-type]
+        eps[(key, str(r["donor"]))] = float(r["eps"])  # type: ignore[arg-type]
+        eps[(key, BASE)] = float(r["eps_base"])  # type: ignore[arg-type]
+    out = []
+    for p in pooled:
+        pred = 0.0
+        for key in p["units"]:  # type: ignore[attr-defined]
+            layer, group = key.split("/")
+            pred += alpha(None if layer == "null" else int(layer), group).value * (eps[(key, str(p["to"]))] - top[key])
+        if pred > 0:
+            ratio, se = float(p["dkl"]) / pred, float(p["dkl_se"]) / pred  # type: ignore[arg-type]
+            factor = max(0.0, credible(ratio, se))
+        else:
+            ratio, se, factor = None, None, 1.0
+        out.append({**p, "predicted": pred, "ratio": ratio, "ratio_se": se, "factor": factor})
+    return out
+
+
 def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibrate: str,
-         base_kl: float | None) -> list[dict]:
+         base_kl: float | None, factors: Mapping[tuple[str, str], float] | None = None) -> list[dict]:
     """Every (unit, donor) row (``layer``, ``group``, ``donor``, ``eps``, ``eps_base``...) with its predicted
     ``dkl`` from the measured drops: each unit's own alpha (``units``; 0 for a unit not run, whose top version
-    is the base's), its own two-line curve where it has a second drop, or its kind's alpha (``kinds``)."""
+    is the base's), its own two-line curve where it has a second drop, or its kind's alpha (``kinds``); with
+    ``factors`` (``--curve versions``: ``{(kind, version): factor}``), each version's loss over the top times its
+    kind's factor there (1 where none was measured)."""
     if calibrate == "units" and any(m.get("mid") for m in measured):
         curves = {unit_key(m["layer"], m["group"]): m for m in measured}  # type: ignore[arg-type]
         out = []
@@ -166,25 +215,36 @@ def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibra
                 continue
             at_base, se_base = curve_loss(m, r["eps_base"])
             at_v, se = curve_loss(m, r["eps"])
-            dkl = at_v - at_base
-            out.append({**r, "kl": None if base_kl is None else base_kl + dkl, "dkl": dkl, "dkl_se": math.hypot(se, se_base),
-                        "dtop1": None, "dnll": None, "predicted": True})
+            out.append(_loss_row(r, at_v - at_base, math.hypot(se, se_base), base_kl))
         return out
-    if calibrate == "kinds":
-        by_kind = {k: a for k, (a, _) in kind_alphas(measured).items()}
-        alpha_of_row = lambda r: by_kind.get(kind_of(r["group"]), Alpha(0.0, 0.0))  # noqa: E731
-    else:
-        own = {unit_key(m["layer"], m["group"]): alpha_of(m["dkl_drop"], m["dkl_drop_se"], drop_end(m), m["eps_top"])  # type: ignore[arg-type]
-               for m in measured}
-        alpha_of_row = lambda r: own.get(unit_key(r["layer"], r["group"]), Alpha(0.0, 0.0))  # noqa: E731
-    return [{**r, **predicted(alpha_of_row(r), r["eps_base"], r["eps"], base_kl)} for r in rows]
+    alpha = _alphas(measured, calibrate)
+    if not factors:
+        return [{**r, **predicted(alpha(r["layer"], r["group"]), r["eps_base"], r["eps"], base_kl)} for r in rows]
+    top = {unit_key(m["layer"], m["group"]): float(m["eps_top"]) for m in measured}  # type: ignore[arg-type]
+    out = []
+    for r in rows:
+        a, k = alpha(r["layer"], r["group"]), kind_of(r["group"])
+        e_top = top.get(unit_key(r["layer"], r["group"]), 0.0)
+        span = factors.get((k, r["donor"]), 1.0) * (r["eps"] - e_top) - factors.get((k, BASE), 1.0) * (r["eps_base"] - e_top)
+        out.append(_loss_row(r, a.value * span, a.se * abs(span), base_kl))
+    return out
+
+
+def _loss_row(r: dict, dkl: float, se: float, base_kl: float | None) -> dict:
+    return {**r, "kl": None if base_kl is None else base_kl + dkl, "dkl": dkl, "dkl_se": se,
+            "dtop1": None, "dnll": None, "predicted": True}
 
 
 def complete(doc: dict) -> dict:
-    """A top-down document with its predictions: every result's ``dkl`` from the measured drops and, under
-    ``kinds``, each kind's pooled alpha as ``calibration``. Used after one run and after a merge of shards."""
+    """A top-down document with its predictions: every result's ``dkl`` from the measured drops, under
+    ``kinds`` each kind's pooled alpha as ``calibration``, and under ``--curve versions`` each pooled
+    candidate's factor. Used after one run and after a merge of shards."""
     calibrate = doc["settings"]["calibrate"]
-    doc["results"] = fill(doc["results"], doc["measured"], calibrate, doc["base"]["kl"])
+    factors = None
+    if doc.get("pooled") is not None:
+        doc["pooled"] = version_factors(doc["pooled"], doc["measured"], doc["results"], calibrate)
+        factors = {(p["kind"], p["to"]): p["factor"] for p in doc["pooled"]}
+    doc["results"] = fill(doc["results"], doc["measured"], calibrate, doc["base"]["kl"], factors)
     if calibrate == "kinds":
         doc["calibration"] = {k: {"alpha": a.value, "alpha_se": a.se, "units": n} for k, (a, n) in kind_alphas(doc["measured"]).items()}
     return doc

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from mosaic._measure.calibrate import BASE, kind_of, unit_key
+from mosaic._measure.calibrate import BASE, credible, kind_of, unit_key
 
 
 def moves(plan: Mapping[int, str], selected: Sequence[int], versions: Sequence[Sequence[str]],
@@ -77,11 +77,6 @@ def kind_ratios(records: Sequence[Mapping[str, object]]) -> dict[str, dict[str, 
         var[k] = var.get(k, 0.0) + float(r["dkl_se"]) ** 2  # type: ignore[arg-type]
         n[k] = n.get(k, 0) + 1
     return {k: {"ratio": max(0.0, num[k] / den[k]), "ratio_se": math.sqrt(var[k]) / den[k], "moves": n[k]} for k in sorted(num)}
-
-
-def credible(ratio: float, se: float) -> float:
-    """The value nearest 1 within two standard errors of ``ratio`` (1 itself when the interval holds it)."""
-    return min(1.0, ratio + 2 * se) if ratio < 1 else max(1.0, ratio - 2 * se)
 
 
 def scales(rounds: Sequence[Mapping[str, object]]) -> dict[str, float]:

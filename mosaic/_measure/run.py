@@ -74,7 +74,7 @@ from mosaic._sources.gguf import is_gguf_src
 
 METHODS = ("top-down", "weights", "swaps")
 CALIBRATIONS = ("units", "kinds")
-CURVES = ("line", "two-point")
+CURVES = ("line", "two-point", "versions")
 
 
 @dataclass
@@ -100,7 +100,7 @@ class MeasureRequest:
     refine: int = 0  # rounds of measurement at the plan (top-down, GGUF)
     max_size: int | None = None  # the budget the refinement plans at
     gpu_layers: int | str | None = None  # llama.cpp's offload ("all", a count; None: the default)
-    curve: str = "line"  # top-down: one drop per unit (a line), or two (to the base's and a middle version)
+    curve: str = "line"  # top-down: one drop per unit (a line), two (to the worst and a middle version), or versions
     ladder: bool = False  # the sources are a ladder's rungs: a unit alike in several (type and bytes) is one version
     imatrix_cap: bool = False  # --imatrix-cap: the importances held under a robust ceiling (importance.capped)
 
@@ -145,8 +145,12 @@ def _check_request(req: MeasureRequest) -> Shard | None:
         raise MosaicError(f"--curve {req.curve}: one of {', '.join(CURVES)}")
     if req.curve != "line" and req.method != "top-down":
         raise MosaicError(f"--curve {req.curve} shapes the drops of --method top-down, not of --method {req.method}")
-    if req.curve != "line" and req.calibrate == "kinds":
+    if req.curve == "two-point" and req.calibrate == "kinds":
         raise MosaicError(f"--curve {req.curve} gives each unit a curve of its own: not with --calibrate kinds")
+    if req.curve == "versions" and req.shard is not None:
+        raise MosaicError("--curve versions moves each kind's units together, across every layer: not with --shard")
+    if req.curve == "versions" and req.refine:
+        raise MosaicError("--curve versions and --refine both correct the line, each from its own moves: choose one")
     if req.refine < 0:
         raise MosaicError(f"--refine {req.refine}: a number of rounds, at least 1")
     if req.refine and req.max_size is None:
@@ -330,8 +334,11 @@ class _Plan:
                                       self.top[ui], self.to[ui])
                     if mid is not None:
                         self.mids[ui] = mid
+            #: --curve versions: (kind, version, {unit: version}) for every version of each kind's measured units
+            self.pooled = _pooled(side, measured_units, self.top, self.to) if curve == "versions" else []
             self.pairs = (set(self.top_map.items()) | set(self.mids.items())
-                          | {(ui, self.to[ui]) for ui in self.drops if self.to[ui] != BASE})
+                          | {(ui, self.to[ui]) for ui in self.drops if self.to[ui] != BASE}
+                          | {(ui, v) for _, v, moved in self.pooled for ui in moved if v != BASE})
             if refine:  # a plan may take any version of any unit
                 self.pairs |= {(ui, d) for ui, vs in enumerate(side.versions) for d in vs[1:]}
             self.swaps: list[tuple[int, str]] = []
@@ -340,10 +347,29 @@ class _Plan:
             self.to = []
             self.drops = []
             self.mids = {}
+            self.pooled = []
             self.swaps = [(ui, d) for ui in mine for d in side.versions[ui][1:]]
             self.pairs = set(self.swaps)
         self.mine = mine
         self.shard = shard
+
+
+def _pooled(side: Side, measured_units: list[int], top: list[str], to: list[str]) -> list[tuple[str, str, dict[int, str]]]:
+    """The candidates of ``--curve versions``: per kind and per version any of its measured units has, the top
+    with every one of them that has that version (and is not at it already) moved there together. A kind's
+    units summed at a version rise out of the noise where one unit's drop does not, and they measure the one
+    thing a unit's line assumes and never checks: that a version costs what its weight error says, whatever
+    its type. A kind of one unit at its worst version is that unit's drop, already measured: not run again."""
+    kinds: dict[str, list[int]] = {}
+    for ui in measured_units:
+        kinds.setdefault(kind_of(side.units[ui].group), []).append(ui)
+    out = []
+    for k, uis in sorted(kinds.items()):
+        for v in sorted({v for ui in uis for v in side.versions[ui]}, key=lambda v: (v != BASE, v)):
+            moved = {ui: v for ui in uis if v in side.versions[ui] and top[ui] != v}
+            if moved and not (len(uis) == 1 and to[uis[0]] == v):
+                out.append((k, v, moved))
+    return out
 
 
 def _head(req: MeasureRequest, side: Side, reference: dict | None, rows: Rows | None, settings: dict) -> dict:
@@ -460,6 +486,24 @@ def _mid_job(plan: _Plan, marks: dict[str, dict | None], ui: int) -> _Job:
             _drop_record(marks, "drop-mid", u, donor=mid))
 
 
+def _pooled_job(plan: _Plan, marks: dict[str, dict | None], kind: str, v: str, moved: dict[int, str]) -> _Job:
+    """The top with a kind's measured units at version ``v`` together: the kind's curve at that version."""
+    versions = dict(plan.top_map)
+    for ui in moved:
+        versions = _moved(versions, ui, v)
+    units = [unit_key(plan.side.units[ui].layer, plan.side.units[ui].group) for ui in sorted(moved)]
+
+    def record(p: dict, t0: float) -> dict:
+        top_rec = marks["top"]
+        assert top_rec is not None
+        rec = _panel_record("pooled", p, t0, unit_kind=kind, to=v, units=units)
+        rec["dkl_se"] = _se([r["kl"] for r in p["rows"]], [r[0] for r in top_rec["rows"]])
+        return rec
+
+    where = "the base's version" if v == BASE else f"{v}'s version"
+    return versions, f"the top with the {len(units)} {kind} units at {where}", record
+
+
 def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, reference: dict, teacher_path: Path,
          head: dict, out: Path, started: float, progress: Reporter) -> dict:
     side = plan.side
@@ -476,12 +520,14 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
     drops = [ui for ui in plan.drops if (units[ui].layer, units[ui].group) not in dropped]
     mid_done = {(r["layer"], r["group"]) for r in recs if r["kind"] == "drop-mid"}
     mids = [ui for ui in plan.drops if ui in plan.mids and (units[ui].layer, units[ui].group) not in mid_done]
+    pooled_done = {(r["unit_kind"], r["to"]) for r in recs if r["kind"] == "pooled"}
+    pooled = [p for p in plan.pooled if (p[0], p[1]) not in pooled_done]
     need_top = plan.top is not None and top_rec is None
     workdir = (Path(req.workdir) if req.workdir is not None else out.parent).resolve()
     scorer: Scorer | None = None
     work: Path | None = None
     try:
-        if swaps or drops or mids or base_rec is None or need_top or plan.refine:
+        if swaps or drops or mids or pooled or base_rec is None or need_top or plan.refine:
             check_space(workdir, side.space_needed(plan.pairs))
             _remove_stale_work(workdir, out.name)
             work = workdir / f".{out.name}.measure-{os.getpid()}"
@@ -492,7 +538,7 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
         ends = [*([_mark_job("base", {}, marks)] if base_rec is None else []),
                 *([_mark_job("top", plan.top_map, marks)] if need_top else [])]
         jobs = [*(_swap_job(plan, marks, ui, d) for ui, d in swaps), *(_drop_job(plan, marks, ui) for ui in drops),
-                *(_mid_job(plan, marks, ui) for ui in mids)]
+                *(_mid_job(plan, marks, ui) for ui in mids), *(_pooled_job(plan, marks, *p) for p in pooled)]
         seq = [*ends, *jobs]
         advance: Callable[[int], None] = lambda n: None  # noqa: E731  (the candidates' step starts after the ends)
         for i, (versions, name, record) in enumerate(seq):  # the next one loaded while this one decodes
@@ -569,14 +615,21 @@ def _document(plan: _Plan, records: list[dict], head: dict, ref: Reference) -> d
     rows = [_row(side, errors, ui, d) for ui in row_units for d in side.versions[ui][1:]]
     seconds = [drops[(units[ui].layer, units[ui].group)]["seconds"] for ui in plan.drops]
     seconds += [r["seconds"] for r in mids.values()]
+    pooled = [r for r in records if r["kind"] == "pooled"]
+    seconds += [r["seconds"] for r in pooled]
     doc.update({
         "seconds": 0.0, "seconds_per_candidate": round(statistics.mean(seconds), 3) if seconds else None,
-        "forward_passes": teacher_runs + 2 + len(measured) + sum("mid" in m for m in measured),
+        "forward_passes": teacher_runs + 2 + len(measured) + sum("mid" in m for m in measured) + len(pooled),
         "top": {"kl": top_rec["kl"], "top1": top_rec["top1"], "nll": top_rec["nll"],
                 "versions": {unit_key(u.layer, u.group): plan.top[i] for i, u in enumerate(units)}},  # type: ignore[index]
         "measured": measured,
     })
     doc["results"] = rows
+    if plan.pooled:
+        order = {(k, v): i for i, (k, v, _) in enumerate(plan.pooled)}
+        doc["pooled"] = [{"kind": r["unit_kind"], "to": r["to"], "units": r["units"], "kl": r["kl"], "top1": r["top1"],
+                          "nll": r["nll"], "dkl": r["kl"] - top_rec["kl"], "dkl_se": r["dkl_se"]}
+                         for r in sorted(pooled, key=lambda r: order[(r["unit_kind"], r["to"])])]
     if plan.shard is not None:  # a part: the calibration needs every shard's drops (mosaic measure --merge)
         return doc
     doc = complete(doc)

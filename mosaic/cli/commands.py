@@ -418,9 +418,11 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
                    "weights: the weight errors alone (no model runs); swaps: every base + one unit from one donor, run.")
 @click.option("--calibrate", type=click.Choice(["units", "kinds"]), default="units", show_default=True,
               help="top-down: each unit's own sensitivity, or one per kind of unit pooled over --only-layers and given to every layer.")
-@click.option("--curve", type=click.Choice(["line", "two-point"]), default="line", show_default=True,
-              help="top-down: each unit's loss as the line through its drop to the base's version, or two lines through a "
-                   "second drop to the version halfway (log scale) between the top's and the base's weight errors.")
+@click.option("--curve", type=click.Choice(["line", "two-point", "versions"]), default="line", show_default=True,
+              help="top-down: each unit's loss as the line through its drop to its worst version; two-point: two lines "
+                   "through a second drop to the version halfway (log scale) between the top's and the worst's weight "
+                   "errors; versions: the line times its kind's factor at each version, measured by moving the kind's "
+                   "units there together (one forward pass per kind and version).")
 @click.option("--unit", type=click.Choice(["layer", "layer-experts", "module-group"]), default=None,
               help="What a candidate takes from a donor (default: layer-experts where the base has routed experts, else layer).")
 @click.option("--only-layers", "only_layers", default=None, metavar="LIST", help="Measure only these layers, e.g. 0-5,9,12.")

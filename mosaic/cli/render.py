@@ -359,7 +359,8 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
     each = f" ({doc['seconds_per_candidate']:.2f} s per candidate)" if doc.get("seconds_per_candidate") else ""
     console.print(f"[bold]{what}[/bold]: {len(doc['results'])} results ({s['unit']} units, method {s['method']}"
                   f"{', calibrated by ' + s['calibrate'] if s['method'] == 'top-down' else ''}"
-                  f"{', two drops per unit' if s.get('curve') == 'two-point' else ''}), {doc['forward_passes']} forward "
+                  f"{', two drops per unit' if s.get('curve') == 'two-point' else ''}"
+                  f"{', each kind measured at its versions' if s.get('curve') == 'versions' else ''}), {doc['forward_passes']} forward "
                   f"passes in {doc['seconds']:.0f} s{each}; wrote {lit(str(out))}")
     console.print(f"weights compared with: {lit(s['weights_reference'])}")
     im = s.get("imatrix")
@@ -379,6 +380,14 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
                       f"({moved} of {len(top['versions'])} units at a donor's version); {len(doc['measured'])} drops measured")
     for kind, c in (doc.get("calibration") or {}).items():
         console.print(f"kind {lit(kind)}: alpha {c['alpha']:.4g} ± {c['alpha_se']:.2g} from {c['units']} units")
+    pooled: dict[str, list[str]] = {}
+    for p in doc.get("pooled") or ():  # each kind's factors, where its units moved together measured the line wrong
+        if p.get("factor") is not None and p["factor"] != 1.0:
+            pooled.setdefault(p["kind"], []).append(f"{lit(p['to'])} {p['factor']:.2f}")
+    if doc.get("pooled") is not None:
+        console.print(f"{len(doc['pooled'])} versions of kinds measured with their units together; "
+                      + ("factors on the line: " + "; ".join(f"{lit(k)}: {', '.join(v)}" for k, v in pooled.items())
+                         if pooled else "every one within two standard errors of its line"))
     ref = doc.get("refinement")
     if ref is not None:
         for rd in ref["rounds"]:
