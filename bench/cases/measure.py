@@ -59,6 +59,12 @@ METHODS: dict[str, tuple[list[str], bool, bool]] = {
     "ladder-cap: default over mosaic ladder's rungs, --imatrix --imatrix-cap": (["--method", "top-down", "--imatrix-cap"], False, True),
     "ladder-cap-kinds: top-down --calibrate kinds (every layer) over mosaic ladder's rungs, --imatrix --imatrix-cap":
         (["--method", "top-down", "--imatrix-cap", "--calibrate", "kinds", "--only-layers", "0-29"], False, True),
+    "ladder-cap-versions: top-down --curve versions over mosaic ladder's rungs, --imatrix --imatrix-cap":
+        (["--method", "top-down", "--imatrix-cap", "--curve", "versions"], False, True),
+    "ladder-cap-kinds-versions: top-down --calibrate kinds (every layer) --curve versions over mosaic ladder's rungs, "
+    "--imatrix --imatrix-cap":
+        (["--method", "top-down", "--imatrix-cap", "--calibrate", "kinds", "--only-layers", "0-29", "--curve", "versions"],
+         False, True),
 }
 DEFAULT = "default: top-down, --imatrix"
 NO_PRELOAD = next(k for k in METHODS if "MOSAIC_PRELOAD=0" in k)
