@@ -142,7 +142,20 @@ def test_kinds_calibration_takes_the_factors_too(models: dict[str, Path], tmp_pa
     for p in doc["pooled"]:  # the line the factors correct is the kind's own
         pred = sum(alphas[p["kind"]] * (eps[(u, p["to"])] - top[u]) for u in p["units"])
         assert p["predicted"] == pytest.approx(pred, rel=1e-12, abs=1e-18)
+    factor = {(p["kind"], p["to"]): p["factor"] for p in doc["pooled"]}
+    low: dict[str, float] = {}  # each unit's top: its lowest weight error, in the layer not measured too
+    for (u, _), e in eps.items():
+        low[u] = min(low.get(u, math.inf), e)
+
+    def loss(u: str, v: str) -> float:
+        kind = u.split("/")[1]
+        return alphas[kind] * factor.get((kind, v), 1.0) * (eps[(u, v)] - low[u])
+
     assert {r["layer"] for r in doc["results"] if r["layer"] is not None} == {0, 1}  # every layer predicted
+    for r in doc["results"]:
+        u = _key(r)
+        assert r["dkl"] == pytest.approx(loss(u, r["donor"]) - loss(u, "base"), rel=1e-9, abs=1e-15)
+    assert all(low[u] == top[u] for u in top)  # the measured units' tops are their lowest errors
 
 
 def test_interrupted_and_resumed_it_writes_what_one_run_writes(models: dict[str, Path], pooled: dict, tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ base (one unit swapped into a broken model) it drowns in it.
 ``ffn_down``, ...: the unit's group; ``layer`` for whole layers) over the measured layers and gives the pooled
 alpha to that kind in every layer. A line assumes that a version costs what its weight error says, whatever its
 type; ``--curve versions`` measures each kind's units moved together to each version and multiplies the line
-there by a factor, the measured rise over the predicted one, taken only as far as it is proved (:func:`credible`). Everything here is arithmetic on the document's own records, so the same
-functions assemble a measurement after one run and after ``--merge`` of its shards.
+there by a factor, the measured rise over the predicted one, taken only as far as it is proved (:func:`credible`).
+Everything here is arithmetic on the document's own records, so the same functions assemble a measurement after
+one run and after ``--merge`` of its shards.
 """
 
 from __future__ import annotations
@@ -220,11 +221,14 @@ def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibra
     alpha = _alphas(measured, calibrate)
     if not factors:
         return [{**r, **predicted(alpha(r["layer"], r["group"]), r["eps_base"], r["eps"], base_kl)} for r in rows]
-    top = {unit_key(m["layer"], m["group"]): float(m["eps_top"]) for m in measured}  # type: ignore[arg-type]
+    top: dict[str, float] = {}  # each unit's lowest weight error: its top's (a unit outside the measured layers too)
+    for r in rows:
+        key = unit_key(r["layer"], r["group"])
+        top[key] = min(top.get(key, math.inf), r["eps"], r["eps_base"])
     out = []
     for r in rows:
         a, k = alpha(r["layer"], r["group"]), kind_of(r["group"])
-        e_top = top.get(unit_key(r["layer"], r["group"]), 0.0)
+        e_top = top[unit_key(r["layer"], r["group"])]
         span = factors.get((k, r["donor"]), 1.0) * (r["eps"] - e_top) - factors.get((k, BASE), 1.0) * (r["eps_base"] - e_top)
         out.append(_loss_row(r, a.value * span, a.se * abs(span), base_kl))
     return out
