@@ -251,3 +251,48 @@ def test_a_rung_that_changed_is_refused_and_alike_versions_are_one(made: dict[st
                                   "--out", str(tmp_path / "m2.json")])
     assert r.exit_code == 2 and "copy-Q8_0.gguf is not the Q5_1 rung" in r.output
     assert not (tmp_path / "m2.json").exists()
+
+
+def test_a_saved_teacher_made_of_the_ladders_source_is_what_the_weights_are_compared_with(tmp_path: Path) -> None:
+    """A ladder made from a quantization holds the source's own type: against the most-bits rung (Q8_0) that lossless
+    rung would look worse than Q8_0. With a saved reference made of the ladder's source (the same bytes), every
+    weight error is measured against the source itself, as with a live teacher."""
+    from gguf.quants import dequantize
+
+    from mosaic._eval.run import EvalRequest, evaluate
+
+    needs_runtime()
+    src = write_llama_gguf(tmp_path / "wide-Q4_1.gguf", qtype="Q4_1", seed=11, geometry=WIDE)[0]
+    mosaic.ladder(src, out=tmp_path / "rungs", types="Q4_0,Q4_1,Q8_0", llama_quantize=write_tool(tmp_path / "llama-quantize"))
+    rows = tmp_path / "rows.txt"
+    rows.write_text("the model of a mosaic\nbytes and the bytes of a model\n")
+    saved = tmp_path / "teacher.npz"
+    evaluate(EvalRequest([], str(src), rows, ctx=16, top_k=16, save_reference=saved))
+    doc = mosaic.measure(ladder=tmp_path / "rungs", reference=saved, method="weights", unit="module-group",
+                         out=tmp_path / "m.json").document
+    assert doc["settings"]["weights_reference"] == "teacher"
+    assert doc["notes"] == [f"weights compared with {src}, the model the saved reference was made of and the ladder's "
+                            f"source (sha256 {json.loads((tmp_path / 'rungs' / 'ladder.json').read_text())['source']['sha256']})"]
+
+    def values(path: Path) -> dict[str, np.ndarray]:
+        return {n: dequantize(t.data, t.tensor_type).astype(np.float64) for n, t in _tensors(path).items()}
+
+    ref = values(src)
+    rungs = {r.split("-")[-1].removesuffix(".gguf").lower(): values(tmp_path / "rungs" / r)
+             for r in os.listdir(tmp_path / "rungs") if r.endswith(".gguf")}
+    base = next(r for r in rungs if r not in {d for d in (x["donor"] for x in doc["results"])})
+    checked = 0
+    for r in doc["results"]:
+        name = r["tensors"][0]
+        for version, eps in ((r["donor"], r["eps"]), (base, r["eps_base"])):
+            want = float(((rungs[version][name] - ref[name]) ** 2).sum() / (ref[name] ** 2).sum())
+            assert eps == pytest.approx(want, rel=1e-9, abs=1e-18)
+            checked += 1
+    assert checked and any(r["eps"] > 0 for r in doc["results"] if r["donor"] == "q8_0")  # Q8_0 is not the teacher
+    # a saved reference made of another model: the rungs are compared with their most-bits one, as before
+    other = write_llama_gguf(tmp_path / "other-F16.gguf", qtype="F16", seed=12, geometry=WIDE)[0]
+    evaluate(EvalRequest([], str(other), rows, ctx=16, top_k=16, save_reference=tmp_path / "other.npz"))
+    doc = mosaic.measure(ladder=tmp_path / "rungs", reference=tmp_path / "other.npz", method="weights",
+                         unit="module-group", out=tmp_path / "m2.json").document
+    assert doc["settings"]["weights_reference"] == "most-bits" and "notes" not in doc
+    assert all(r["eps"] == 0 for r in doc["results"] if r["donor"] == "q8_0")

@@ -111,17 +111,19 @@ def _donor_list(donors: Donors) -> list[tuple[str, str]]:
     return [parse_donor_arg(p) if isinstance(p, str) else donor_pair(p[0], os.fspath(p[1])) for p in pairs]
 
 
-def _ladder_sources(ladder: PathLike | None, base: PathLike | None, donors: Donors | None) -> tuple[str | None, list[tuple[str, str]]]:
+def _ladder_sources(ladder: PathLike | None, base: PathLike | None, donors: Donors | None
+                    ) -> tuple[str | None, list[tuple[str, str]], tuple[str, int] | None]:
     """``--ladder DIR`` in place of ``--base``/``--donor``: the rung of fewest bytes is the base, every other rung a
-    donor named by its type, each file checked against ``ladder.json`` first."""
+    donor named by its type, each file checked against ``ladder.json`` first; and the SHA-256 and size of the
+    model the rungs were made of."""
     if ladder is None:
-        return (None if base is None else os.fspath(base)), _donor_list(donors or [])
+        return (None if base is None else os.fspath(base)), _donor_list(donors or []), None
     if base is not None or donors:
         raise MosaicError("--ladder DIR names the base and the donors itself: give it instead of --base/--donor, not with them")
     from mosaic._sources.rung_set import open_ladder
 
     rungs = open_ladder(os.fspath(ladder))
-    return str(rungs.base.path), [(r.id, str(r.path)) for r in rungs.donors]
+    return str(rungs.base.path), [(r.id, str(r.path)) for r in rungs.donors], (rungs.source_sha256, rungs.source_bytes)
 
 
 def _in_range(flag: str, value: int | None, lo: int, hi: int) -> int | None:
@@ -245,7 +247,7 @@ def plan(
     from mosaic._plan.planner import PlanRequest, parse_size, plan_mosaic
     from mosaic._sources.gguf import is_gguf_src
 
-    base_src, donor_list = _ladder_sources(ladder, base, donors)  # before the budget, as the command line reads them
+    base_src, donor_list, _ = _ladder_sources(ladder, base, donors)  # before the budget, as the command line reads them
     if base_src is None or not donor_list:
         raise MosaicError("give --base SRC and at least one --donor ID=SRC, or --ladder DIR")
     size = parse_size(max_size) if isinstance(max_size, str) else max_size
@@ -677,7 +679,7 @@ def measure(
         if given:
             raise MosaicError(f"--merge joins the shards' documents alone: {', '.join(given)} not used")
         return MeasureResult(Path(out), _merge([Path(p) for p in merge], Path(out), force=force))
-    base_src, donor_list = _ladder_sources(ladder, base, donors)
+    base_src, donor_list, ladder_source = _ladder_sources(ladder, base, donors)
     if base_src is None:
         raise MosaicError("give --base SRC (or --ladder DIR, or --merge PART.json ...)")
     _in_range("--ctx", ctx, 2, 1 << 20)
@@ -694,7 +696,7 @@ def measure(
                          None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard,
                          None if imatrix is None else os.fspath(imatrix), refine,
                          parse_size(max_size) if isinstance(max_size, str) else max_size, parse_gpu_layers(gpu_layers), curve,
-                         ladder is not None, imatrix_cap)
+                         ladder is not None, imatrix_cap, ladder_source)
     with _running(progress, unit="candidates") as r:
         doc = _measure(req, r)
     return MeasureResult(Path(out), doc)

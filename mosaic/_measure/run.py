@@ -103,6 +103,7 @@ class MeasureRequest:
     curve: str = "line"  # top-down: one drop per unit (a line), two (to the worst and a middle version), or versions
     ladder: bool = False  # the sources are a ladder's rungs: a unit alike in several (type and bytes) is one version
     imatrix_cap: bool = False  # --imatrix-cap: the importances held under a robust ceiling (importance.capped)
+    ladder_source: tuple[str, int] | None = None  # --ladder: the SHA-256 and size of the model its rungs were made of
 
 
 def _remove_stale_work(workdir: Path, name: str) -> None:
@@ -236,7 +237,14 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
         reference = {"source": req.reference, "kind": "model", "model": req.reference,
                      "files": side.reference_files(req.reference, progress)}
     threads = req.threads or default_threads()
-    errors = side.weight_errors(req.reference, threads, progress, importance)
+    weights_from, weights_note = req.reference, None
+    if reference is not None and reference["kind"] == "saved" and req.ladder_source is not None:
+        made_of = _ladder_teacher(reference["model"], req.ladder_source)
+        if made_of is not None:
+            weights_from = made_of
+            weights_note = (f"weights compared with {made_of}, the model the saved reference was made of and the "
+                            f"ladder's source (sha256 {req.ladder_source[0]})")
+    errors = side.weight_errors(weights_from, threads, progress, importance)
     layers = sorted(side.layers) if side.layers is not None else None
     settings: dict = {"unit": side.unit, "ctx": ctx, "top_k": k, "layers": layers,
                       "kl": None if k is None else {"kind": "top-k lower bound", "k": k},
@@ -261,6 +269,8 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
     head = _head(req, side, reference, rows, settings)
     if req.method == "weights":
         rows = [_row(side, errors, ui, d) for ui in side.selected for d in side.versions[ui][1:]]
+        if weights_note:
+            head["notes"] = [weights_note]
         doc = {**head, "runtime": None, "seconds": round(time.monotonic() - started, 3), "seconds_per_candidate": None,
                "forward_passes": 0, "results": [{**r, **predicted(None, r["eps_base"], r["eps"], None)} for r in rows]}
         return _write(doc, out)
@@ -275,11 +285,27 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
     journal = Journal.resume(jpath, fingerprint) if req.resume else Journal.start(jpath, fingerprint)
     try:
         assert rows is not None and reference is not None
-        notes = _runtime_notes(req, side, reference)
+        notes = _runtime_notes(req, side, reference) + ([weights_note] if weights_note else [])
         return _run(req, journal, plan, rows, reference, teacher_path,
                     {**head, "runtime": runtime, **({"notes": notes} if notes else {})}, out, started, progress)
     finally:
         journal.close()
+
+
+def _ladder_teacher(model: str | None, source: tuple[str, int]) -> str | None:
+    """The file a saved reference was made of, where it is still the ladder's source (same size and SHA-256): the
+    weight errors are then measured against the teacher itself, as with a live one. Without this a ladder made
+    from a quantization compares every rung with its most-bits rung, and the rungs of the source's own types,
+    lossless, look worse than Q8_0: the plan pays for Q8_0 where the teacher's own bytes would cost nothing."""
+    if not model:
+        return None
+    path = Path(model)
+    try:
+        if not path.is_file() or path.stat().st_size != source[1]:
+            return None
+    except OSError:
+        return None
+    return str(path) if _sha256(path) == source[0] else None
 
 
 def _runtime_notes(req: MeasureRequest, side: Side, reference: dict | None) -> list[str]:

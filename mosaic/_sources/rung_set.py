@@ -111,6 +111,8 @@ class RungSet:
     folder: Path
     base: Rung
     donors: tuple[Rung, ...]
+    source_sha256: str  # the model the rungs were made of, as ladder.json records it
+    source_bytes: int
 
 
 def rung_intact(folder: Path, rec: dict) -> bool:
@@ -143,4 +145,4 @@ def open_ladder(folder: str | Path) -> RungSet:
     order = {t: i for i, t in enumerate(TYPES)}
     base = min(rungs, key=lambda r: (r.bytes, order.get(r.type, len(order))))
     donors = tuple(sorted((r for r in rungs if r is not base), key=lambda r: order.get(r.type, len(order))))
-    return RungSet(folder, base, donors)
+    return RungSet(folder, base, donors, doc["source"]["sha256"], doc["source"]["bytes"])
