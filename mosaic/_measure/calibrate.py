@@ -178,7 +178,7 @@ def version_factors(pooled: Sequence[Mapping[str, object]], measured: Sequence[M
     measured rise to that sum, its standard error, and the ``factor`` the kind's curve takes at that version: the
     credible ratio, at least 0 (1 where the line predicted nothing)."""
     alpha = _alphas(measured, calibrate)
-    top = {unit_key(m["layer"], m["group"]): float(m["eps_top"]) for m in measured}  # type: ignore[arg-type]
+    top = _tops(rows)
     eps: dict[tuple[str, str], float] = {}
     for r in rows:
         key = unit_key(r["layer"], r["group"])  # type: ignore[arg-type]
@@ -221,10 +221,7 @@ def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibra
     alpha = _alphas(measured, calibrate)
     if not factors:
         return [{**r, **predicted(alpha(r["layer"], r["group"]), r["eps_base"], r["eps"], base_kl)} for r in rows]
-    top: dict[str, float] = {}  # each unit's lowest weight error: its top's (a unit outside the measured layers too)
-    for r in rows:
-        key = unit_key(r["layer"], r["group"])
-        top[key] = min(top.get(key, math.inf), r["eps"], r["eps_base"])
+    top = _tops(rows)
     out = []
     for r in rows:
         a, k = alpha(r["layer"], r["group"]), kind_of(r["group"])
@@ -232,6 +229,16 @@ def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibra
         span = factors.get((k, r["donor"]), 1.0) * (r["eps"] - e_top) - factors.get((k, BASE), 1.0) * (r["eps_base"] - e_top)
         out.append(_loss_row(r, a.value * span, a.se * abs(span), base_kl))
     return out
+
+
+def _tops(rows: Sequence[Mapping[str, object]]) -> dict[str, float]:
+    """Each unit's lowest weight error among its versions: its top's (:func:`top_versions`), for a unit outside
+    the measured layers too."""
+    top: dict[str, float] = {}
+    for r in rows:
+        key = unit_key(r["layer"], r["group"])  # type: ignore[arg-type]
+        top[key] = min(top.get(key, math.inf), float(r["eps"]), float(r["eps_base"]))  # type: ignore[arg-type]
+    return top
 
 
 def _loss_row(r: dict, dkl: float, se: float, base_kl: float | None) -> dict:

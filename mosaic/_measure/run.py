@@ -360,11 +360,11 @@ class _Plan:
                                       self.top[ui], self.to[ui])
                     if mid is not None:
                         self.mids[ui] = mid
-            #: --curve versions: (kind, version, {unit: version}) for every version of each kind's measured units
+            #: --curve versions: (kind, version, the units moved there) for every version of each kind's measured units
             self.pooled = _pooled(side, measured_units, self.top, self.to) if curve == "versions" else []
             self.pairs = (set(self.top_map.items()) | set(self.mids.items())
                           | {(ui, self.to[ui]) for ui in self.drops if self.to[ui] != BASE}
-                          | {(ui, v) for _, v, moved in self.pooled for ui in moved if v != BASE})
+                          | {(ui, v) for _, v, moved in self.pooled if v != BASE for ui in moved})
             if refine:  # a plan may take any version of any unit
                 self.pairs |= {(ui, d) for ui, vs in enumerate(side.versions) for d in vs[1:]}
             self.swaps: list[tuple[int, str]] = []
@@ -380,7 +380,7 @@ class _Plan:
         self.shard = shard
 
 
-def _pooled(side: Side, measured_units: list[int], top: list[str], to: list[str]) -> list[tuple[str, str, dict[int, str]]]:
+def _pooled(side: Side, measured_units: list[int], top: list[str], to: list[str]) -> list[tuple[str, str, list[int]]]:
     """The candidates of ``--curve versions``: per kind and per version any of its measured units has, the top
     with every one of them that has that version (and is not at it already) moved there together. A kind's
     units summed at a version rise out of the noise where one unit's drop does not, and they measure the one
@@ -392,7 +392,7 @@ def _pooled(side: Side, measured_units: list[int], top: list[str], to: list[str]
     out = []
     for k, uis in sorted(kinds.items()):
         for v in sorted({v for ui in uis for v in side.versions[ui]}, key=lambda v: (v != BASE, v)):
-            moved = {ui: v for ui in uis if v in side.versions[ui] and top[ui] != v}
+            moved = [ui for ui in uis if v in side.versions[ui] and top[ui] != v]
             if moved and not (len(uis) == 1 and to[uis[0]] == v):
                 out.append((k, v, moved))
     return out
@@ -512,11 +512,11 @@ def _mid_job(plan: _Plan, marks: dict[str, dict | None], ui: int) -> _Job:
             _drop_record(marks, "drop-mid", u, donor=mid))
 
 
-def _pooled_job(plan: _Plan, marks: dict[str, dict | None], kind: str, v: str, moved: dict[int, str]) -> _Job:
+def _pooled_job(plan: _Plan, marks: dict[str, dict | None], kind: str, v: str, moved: list[int]) -> _Job:
     """The top with a kind's measured units at version ``v`` together: the kind's curve at that version."""
-    versions = dict(plan.top_map)
-    for ui in moved:
-        versions = _moved(versions, ui, v)
+    versions = {ui: t for ui, t in plan.top_map.items() if ui not in moved}
+    if v != BASE:  # the base's version: no entry
+        versions.update(dict.fromkeys(moved, v))
     units = [unit_key(plan.side.units[ui].layer, plan.side.units[ui].group) for ui in sorted(moved)]
 
     def record(p: dict, t0: float) -> dict:
