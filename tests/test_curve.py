@@ -128,3 +128,24 @@ def test_curve_refusals_are_one_line(models: dict[str, Path], tmp_path: Path) ->
         r = CliRunner().invoke(main, [*common, *extra])
         assert r.exit_code == 2 and want in r.stderr and r.stderr.count("\n") == 1, r.output
     assert not (tmp_path / "m.json").exists()
+
+
+def test_the_command_line_counts_the_drops_its_rows_cannot_resolve(models: dict[str, Path], tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from mosaic.cli.render import render_measurement
+
+    out = tmp_path / "m.json"
+    r = CliRunner().invoke(main, ["measure", "--base", str(models["Q4_0"]), "--donor", f"q8={models['Q8_0']}",
+                                  "--reference", str(models["saved"]), "--text", str(models["rows"]), "--unit", "module-group",
+                                  "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    drops = doc["measured"]
+    assert all(abs(d["dkl_drop"]) >= 2 * d["dkl_drop_se"] for d in drops)  # every drop here stands out of its noise
+    assert "within two standard errors of none" not in r.output
+    for d in drops[:2]:  # two drops no larger than their standard error: rows that cannot resolve them
+        d["dkl_drop_se"] = abs(d["dkl_drop"])
+    console = Console(record=True, width=400)
+    render_measurement(console, doc, out)
+    assert f"2 of {len(drops)} drops are within two standard errors of none" in console.export_text()

@@ -378,6 +378,10 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
         moved = sum(v != "base" for v in top["versions"].values())
         console.print(f"top: KL {top['kl']:.5f}, top-1 {top['top1']:.4f}, NLL {top['nll']:.4f} "
                       f"({moved} of {len(top['versions'])} units at a donor's version); {len(doc['measured'])} drops measured")
+        quiet = sum(abs(r["dkl_drop"]) < 2 * r["dkl_drop_se"] for r in doc["measured"])
+        if quiet:  # a plan orders units by their drops: those inside their noise are ordered by chance
+            console.print(f"{quiet} of {len(doc['measured'])} drops are within two standard errors of none: the rows "
+                          "measured cannot tell them apart (more rows can)")
     for kind, c in (doc.get("calibration") or {}).items():
         console.print(f"kind {lit(kind)}: alpha {c['alpha']:.4g} ± {c['alpha_se']:.2g} from {c['units']} units")
     pooled: dict[str, list[str]] = {}
