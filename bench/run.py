@@ -60,6 +60,9 @@ def main() -> int:
     ap.add_argument("--eval-ctx", type=int, default=512, help="window of the eval case")
     ap.add_argument("--measure-ctx", type=int, default=128, help="window of the measure case")
     ap.add_argument("--measure-rows", type=int, default=8, help="rows of tests/data/paragraphs.txt the measure case measures on")
+    ap.add_argument("--measure-calibration", type=int, default=0,
+                    help="paragraphs of tests/data/calibration.txt (the importance matrix's text) the measure case measures on "
+                         "as well; the held-out rows stay the paragraphs after --measure-rows")
     ap.add_argument("--measure-methods", default="default,two-point,refine,kinds,weights",
                     help="words picking the measure case's methods (bench/cases/measure.py: METHODS): a method runs when "
                          "its label holds one (--refine measures again at each rival's size: about 425 forward passes each)")
@@ -94,7 +97,7 @@ def main() -> int:
     if "scale" in cases:
         case_scale(args.runs, args.eval_ctx)
     if "measure" in cases:
-        case_measure(args.measure_ctx, args.measure_rows, args.measure_methods.split(","))
+        case_measure(args.measure_ctx, args.measure_rows, args.measure_methods.split(","), args.measure_calibration)
     lines = [f"machine: {machine()}", f"runs per contender: {args.runs} (medians)", "", "| case | contender | median | ratio |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in ROWS]
     text = "\n".join(lines) + "\n"

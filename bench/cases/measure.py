@@ -135,9 +135,10 @@ def _ratio(c: dict, r: dict) -> tuple[float, float]:
     return ratio, se
 
 
-def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
+def case_measure(ctx: int, measure_rows: int, methods: list[str], calibration: int = 0) -> None:
     """See the module's docstring. ``methods``: words picking the methods of :data:`METHODS` (a label holding
-    any of them runs)."""
+    any of them runs); ``calibration``: the first paragraphs of the importance matrix's own text measured on too,
+    after the measured rows (more rows measured, the same rows held out)."""
     from mosaic.testing.gguf import requantize, smollm2_gguf
 
     smol = smollm2_gguf()
@@ -156,7 +157,8 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
     drop(work)
     work.mkdir(parents=True)
     rows, held = work / "measure.txt", work / "held-out.txt"
-    rows.write_text("\n".join(lines[:measure_rows]) + "\n")
+    calib = (ROOT / CALIBRATION).read_text().splitlines()[:calibration]
+    rows.write_text("\n".join(lines[:measure_rows] + calib) + "\n")
     held.write_text("\n".join(lines[measure_rows:]) + "\n")
     saved = work / "teacher.npz"
     env = _env()
@@ -204,7 +206,8 @@ def case_measure(ctx: int, measure_rows: int, methods: list[str]) -> None:
     got = dict(zip(models, ev["candidates"]))
     case = "measure: SmolLM2-135M, the imatrix ladder, held-out exact KL"
     same = "the same bytes as" if committed.read_bytes() == im.read_bytes() else "not byte-identical to"
-    row(case, "setup", f"base {BASE}; donors {', '.join(DONORS.values())}", f"{measure_rows} rows measured, {ev['rows']} held out "
+    row(case, "setup", f"base {BASE}; donors {', '.join(DONORS.values())}", f"{measure_rows} rows measured"
+        + (f" and {len(calib)} paragraphs of {CALIBRATION}" if calib else "") + f", {ev['rows']} held out "
         f"({ev['positions']} positions), ctx {ctx}, teacher the Q4_1; {ev['runtime']['name']} {ev['runtime']['version']}")
     row(case, "importance matrix", f"{CALIBRATION}, ctx 128", f"{same} tests/data's")
     for label in (f"base {BASE} (imatrix)", *rivals, *mixer, *(f"{r} (no imatrix)" for r in PLAIN)):
