@@ -239,6 +239,17 @@ def render_signature(console: Console, sig: dict | None) -> None:
         console.print("signature: none (the folder is not signed)")
 
 
+def _plan_pick(c: dict) -> tuple[int | None, str | None, str]:
+    """A chosen unit as (layer, group, donor): per-tensor units share a layer and often a donor."""
+    return c["layer"], c.get("group"), c["donor"]
+
+
+def _plan_order(pick: tuple[int | None, str | None, str]) -> tuple:
+    """The model's own order: the units outside the layers (token_embd, output) first, then layer by layer."""
+    layer, group, donor = pick
+    return (layer is not None, layer or 0, group or "", donor)
+
+
 def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) -> None:
     rate = rep["rate"]
     console.print(
@@ -251,13 +262,15 @@ def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) 
         )
     g = rep["greedy"]
     t = Table(show_edge=False)
-    t.add_column("layer", justify="right")
+    t.add_column("unit", justify="right")
     t.add_column("exact choice")
     t.add_column("greedy choice")
-    opt = {(c["layer"], c["donor"]) for c in rep["chosen"]}
-    gre = {(c["layer"], c["donor"]) for c in g["chosen"]}
-    for layer, donor in sorted(opt | gre):
-        t.add_row(str(layer), lit(donor) if (layer, donor) in opt else "", lit(donor) if (layer, donor) in gre else "")
+    opt = {_plan_pick(c) for c in rep["chosen"]}
+    gre = {_plan_pick(c) for c in g["chosen"]}
+    for pick in sorted(opt | gre, key=_plan_order):
+        layer, group, donor = pick
+        unit = " ".join(str(x) for x in (layer, group) if x is not None)
+        t.add_row(lit(unit), lit(donor) if pick in opt else "", lit(donor) if pick in gre else "")
     console.print(t)
     console.print(
         f"exact: score {rep['score']:.6g}, {rep['predicted_size']:,} bytes; "
