@@ -262,11 +262,11 @@ def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) 
         )
     g = rep["greedy"]
     t = Table(show_edge=False)
-    t.add_column("unit", justify="right")
-    t.add_column("exact choice")
-    t.add_column("greedy choice")
     opt = {_plan_pick(c) for c in rep["chosen"]}
     gre = {_plan_pick(c) for c in g["chosen"]}
+    t.add_column("unit" if any(group is not None for _, group, _ in opt | gre) else "layer", justify="right")
+    t.add_column("exact choice")
+    t.add_column("greedy choice")
     for pick in sorted(opt | gre, key=_plan_order):
         layer, group, donor = pick
         unit = " ".join(str(x) for x in (layer, group) if x is not None)
