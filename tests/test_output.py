@@ -159,16 +159,21 @@ def test_plan_hint_is_one_line_when_piped() -> None:
     assert f"build it with: mosaic build {out}" in buf.getvalue().splitlines()[-1]
 
 
-def test_a_per_tensor_plan_lists_every_unit_the_embedding_first() -> None:
-    """Units of one layer share a donor, and the embedding has no layer: each is its own row, in the model's order."""
+def test_a_per_tensor_plan_lists_every_unit_once_the_embedding_first() -> None:
+    """Units of one layer share a donor, the embedding has no layer, and the two solvers may give one unit two
+    versions: each unit is one row, in the model's order, its exact and its greedy choice side by side."""
     chosen = [{"layer": 2, "group": "attn_v", "donor": "q5_k"}, {"layer": 2, "group": "ffn_down", "donor": "q5_k"},
               {"layer": None, "group": "token_embd", "donor": "q8_0"}, {"layer": 0, "group": "attn_v", "donor": "q6_k"}]
-    doc = {**plan_doc("x"), "chosen": chosen, "greedy": {"chosen": chosen[:2], "predicted_size": 5, "score": 1.0}}
+    greedy = [{"layer": 2, "group": "attn_v", "donor": "iq4_nl"}, chosen[1], {"layer": 5, "group": "ffn_up", "donor": "q4_k"}]
+    doc = {**plan_doc("x"), "chosen": chosen, "greedy": {"chosen": greedy, "predicted_size": 5, "score": 1.0}}
     con, buf = plain()
     render.render_plan(con, doc, [], None)
-    rows = [ln.replace("│", " ").split() for ln in buf.getvalue().splitlines() if ln.split()[:1] in (["token_embd"], ["0"], ["2"])]
-    assert rows == [["token_embd", "q8_0"], ["0", "attn_v", "q6_k"], ["2", "attn_v", "q5_k", "q5_k"],
-                    ["2", "ffn_down", "q5_k", "q5_k"]]
+    lines = buf.getvalue().splitlines()
+    head = next(ln for ln in lines if "exact choice" in ln)
+    rows = [[cell.strip() for cell in ln.split("│")] for ln in lines if "│" in ln and ln is not head]
+    assert [cell.strip() for cell in head.split("┃")] == ["unit", "exact choice", "greedy choice"]
+    assert rows == [["token_embd", "q8_0", ""], ["0 attn_v", "q6_k", ""], ["2 attn_v", "q5_k", "iq4_nl"],
+                    ["2 ffn_down", "q5_k", "q5_k"], ["5 ffn_up", "", "q4_k"]]
 
 
 def test_progress_descriptions_are_literal(capsys: pytest.CaptureFixture[str]) -> None:

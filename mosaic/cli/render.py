@@ -239,15 +239,15 @@ def render_signature(console: Console, sig: dict | None) -> None:
         console.print("signature: none (the folder is not signed)")
 
 
-def _plan_pick(c: dict) -> tuple[int | None, str | None, str]:
-    """A chosen unit as (layer, group, donor): per-tensor units share a layer and often a donor."""
-    return c["layer"], c.get("group"), c["donor"]
+def _plan_unit(c: dict) -> tuple[int | None, str | None]:
+    """A chosen unit as (layer, group): per-tensor units share a layer, and a unit's two choices share a row."""
+    return c["layer"], c.get("group")
 
 
-def _plan_order(pick: tuple[int | None, str | None, str]) -> tuple:
+def _plan_order(unit: tuple[int | None, str | None]) -> tuple:
     """The model's own order: the units outside the layers (token_embd, output) first, then layer by layer."""
-    layer, group, donor = pick
-    return (layer is not None, layer or 0, group or "", donor)
+    layer, group = unit
+    return (layer is not None, layer or 0, group or "")
 
 
 def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) -> None:
@@ -262,15 +262,14 @@ def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) 
         )
     g = rep["greedy"]
     t = Table(show_edge=False)
-    opt = {_plan_pick(c) for c in rep["chosen"]}
-    gre = {_plan_pick(c) for c in g["chosen"]}
-    t.add_column("unit" if any(group is not None for _, group, _ in opt | gre) else "layer", justify="right")
+    opt = {_plan_unit(c): c["donor"] for c in rep["chosen"]}
+    gre = {_plan_unit(c): c["donor"] for c in g["chosen"]}
+    t.add_column("unit" if any(group is not None for _, group in opt.keys() | gre.keys()) else "layer", justify="right")
     t.add_column("exact choice")
     t.add_column("greedy choice")
-    for pick in sorted(opt | gre, key=_plan_order):
-        layer, group, donor = pick
-        unit = " ".join(str(x) for x in (layer, group) if x is not None)
-        t.add_row(lit(unit), lit(donor) if pick in opt else "", lit(donor) if pick in gre else "")
+    for unit in sorted(opt.keys() | gre.keys(), key=_plan_order):
+        name = " ".join(str(x) for x in unit if x is not None)
+        t.add_row(lit(name), lit(opt.get(unit, "")), lit(gre.get(unit, "")))
     console.print(t)
     console.print(
         f"exact: score {rep['score']:.6g}, {rep['predicted_size']:,} bytes; "
