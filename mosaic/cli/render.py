@@ -264,10 +264,11 @@ def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) 
     t = Table(show_edge=False)
     opt = {_plan_unit(c): c["donor"] for c in rep["chosen"]}
     gre = {_plan_unit(c): c["donor"] for c in g["chosen"]}
-    t.add_column("unit" if any(group is not None for _, group in opt.keys() | gre.keys()) else "layer", justify="right")
+    units = sorted(opt.keys() | gre.keys(), key=_plan_order)
+    t.add_column("unit" if any(group is not None for _, group in units) else "layer", justify="right")
     t.add_column("exact choice")
     t.add_column("greedy choice")
-    for unit in sorted(opt.keys() | gre.keys(), key=_plan_order):
+    for unit in units:
         name = " ".join(str(x) for x in unit if x is not None)
         t.add_row(lit(name), lit(opt.get(unit, "")), lit(gre.get(unit, "")))
     console.print(t)
