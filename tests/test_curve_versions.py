@@ -18,7 +18,9 @@ from click.testing import CliRunner
 
 import mosaic
 from mosaic._eval.run import EvalRequest, evaluate
+from mosaic._measure import backends
 from mosaic._measure.calibrate import credible, version_factors
+from mosaic._measure.parts import Parts
 from mosaic.cli.commands import main
 from tests.conftest import build_versions, run_cli
 from tests.test_curve import DONORS, make_models
@@ -54,10 +56,36 @@ def _args(m: dict[str, Path], out: Path) -> list[str]:
             "--out", str(out)]
 
 
+#: What the pooled measurement laid out and removed, in order: ("make" | "release", unit index, donor).
+LAYOUT: list[tuple[str, int, str]] = []
+
+
 @pytest.fixture(scope="module")
 def pooled(models: dict[str, Path]) -> dict:
-    return mosaic.measure(base=models["Q4_0"], donors={d: models[q] for d, q in DONORS.items()}, reference=models["saved"],
-                          text=models["rows"], unit="module-group", curve="versions", out=models["dir"] / "v.json").as_dict()
+    real = backends.lay_out
+
+    def logged(*args: object, **kw: object) -> Parts:
+        parts = real(*args, **kw)  # type: ignore[arg-type]
+        make, release = parts.make, parts.release
+        assert make is not None
+
+        def made(ui: int, sid: str) -> Path:
+            LAYOUT.append(("make", ui, sid))
+            return make(ui, sid)
+
+        def released(pairs: object) -> None:
+            for ui, sid in list(pairs):  # type: ignore[call-overload]
+                if (ui, sid) in parts.donor:
+                    LAYOUT.append(("release", ui, sid))
+            release(pairs)  # type: ignore[arg-type]
+
+        parts.make, parts.release = made, released  # type: ignore[method-assign]
+        return parts
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backends, "lay_out", logged)
+        return mosaic.measure(base=models["Q4_0"], donors={d: models[q] for d, q in DONORS.items()}, reference=models["saved"],
+                              text=models["rows"], unit="module-group", curve="versions", out=models["dir"] / "v.json").as_dict()
 
 
 def _key(r: dict) -> str:
@@ -82,6 +110,24 @@ def test_every_version_of_every_kind_is_measured_once_with_the_kind_together(poo
     assert pooled["forward_passes"] == 2 + len(pooled["measured"]) + len(pooled["pooled"])  # base, top (the teacher saved)
     for p in pooled["pooled"]:
         assert p["dkl"] == pytest.approx(p["kl"] - pooled["top"]["kl"], abs=1e-12) and p["dkl_se"] >= 0
+
+
+def test_each_version_is_laid_out_once_and_only_while_its_candidates_run(pooled: dict) -> None:
+    """Laid out at once, every version of every unit would be the ladder's bytes again: the pooled candidates go
+    version by version, each version's parts made for its first and removed after its last."""
+    made = [(ui, sid) for what, ui, sid in LAYOUT if what == "make"]
+    assert made and len(made) == len(set(made))  # none made twice
+    assert sorted(made) == sorted((ui, sid) for what, ui, sid in LAYOUT if what == "release")  # all removed
+    keys = list(pooled["top"]["versions"])
+    top = {(keys.index(k), v) for k, v in pooled["top"]["versions"].items() if v != "base"}
+    live: set[tuple[int, str]] = set()
+    most = 0
+    for what, ui, sid in LAYOUT:
+        (live.add if what == "make" else live.discard)((ui, sid))
+        most = max(most, len({s for u, s in live if (u, s) not in top}))
+    assert most <= 2  # beside the top's: the version running and the one loaded ahead
+    versions = {p["to"] for p in pooled["pooled"]} - {"base"}
+    assert len(versions) >= 2 and most < len(versions) + 1
 
 
 def test_a_pooled_candidate_is_what_mosaic_eval_gives_for_that_very_model(models: dict[str, Path], pooled: dict,

@@ -329,7 +329,7 @@ class FakeExl3Scorer:
 
     runtime: ClassVar[dict] = {"name": "fake-exllamav3", "version": "0", "threads": 1}
 
-    def __init__(self, base, donors, units, todo, ref, rows, work, progress=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, base, donors, units, ref, rows, work, progress=None) -> None:  # type: ignore[no-untyped-def]
         self.units, self.rows = units, len(ref.row_tokens)
         self.calls: list[tuple[int, str]] = []
         self.timing = {"load": 0.0, "decode": 0.0, "panel": 0.0}
@@ -345,6 +345,9 @@ class FakeExl3Scorer:
         self.calls.append(dict(versions))
         gain = sum((0.02 if self.units[u].layer in (1, 4) else 0.005) * (2 if d == "q4" else 1) for u, d in versions.items())
         return self._panel(1.0 - gain)
+
+    def release(self, pairs: object) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -37,6 +37,10 @@ class Scorer(Protocol):
 
     def score(self, versions: Mapping[int, str], name: str, then: Next | None = None) -> dict: ...
 
+    def release(self, pairs: Iterable[tuple[int, str]]) -> None:
+        """The (unit, donor) versions no candidate to come takes: what they hold on disk may go."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -82,7 +86,7 @@ class GGUFScorer:
     While a candidate decodes, the next one (``then``) is loaded beside it in the worker, so the decode never
     waits on a load, where :func:`preload_allowed` says there is room for it."""
 
-    def __init__(self, base: GGUFModel, donors: dict[str, GGUFModel], units: list[Unit], pairs: Iterable[tuple[int, str]],
+    def __init__(self, base: GGUFModel, donors: dict[str, GGUFModel], units: list[Unit],
                  ref: Reference, rows: Rows, workdir: Path, *, threads: int | None = None, verbose: bool = False,
                  gpu_layers: int | str | None = None, progress: Reporter = SILENT) -> None:
         self._rt = get_runtime(threads=threads, verbose=verbose, gpu_layers=gpu_layers)
@@ -90,7 +94,7 @@ class GGUFScorer:
         #: this run's seconds loading candidates (waiting for a preloaded one), waiting for their logits, and in
         #: the panel; and how many candidates had been loaded while the one before decoded
         self.timing: dict[str, float] = {"load": 0.0, "decode": 0.0, "panel": 0.0, "preloaded": 0}
-        self._parts: Parts = lay_out(workdir, base, units, donors, pairs, progress)
+        self._parts: Parts = lay_out(workdir, base, units, donors, progress)
         first = self._parts.candidate({})
         self._check = check_gguf(first)  # the laid-out base, strictly, split keys and all
         self.batch = batch_size(ref.ctx, self._check.n_vocab or 1)
@@ -130,6 +134,9 @@ class GGUFScorer:
         finally:
             b.close()
 
+    def release(self, pairs: Iterable[tuple[int, str]]) -> None:
+        self._parts.release(pairs)
+
     def close(self) -> None:
         if self._ahead is not None:
             self._ahead = None
@@ -141,7 +148,7 @@ class Exl3Scorer:
     the unit's tensors are hard links, only those that do are written (of the order of the unit's shards, not
     of the model); it is loaded by exllamav3 and scored, then removed."""
 
-    def __init__(self, base: object, donors: dict[str, object], units: list, pairs: Iterable[tuple[int, str]], ref: Reference,
+    def __init__(self, base: object, donors: dict[str, object], units: list, ref: Reference,
                  rows: Rows, work: Path, progress: Reporter = SILENT) -> None:
         require_exl3_gpu("mosaic measure")
         import importlib.metadata
@@ -195,6 +202,9 @@ class Exl3Scorer:
             return self._score(out, name)
         finally:
             shutil.rmtree(out, ignore_errors=True)
+
+    def release(self, pairs: Iterable[tuple[int, str]]) -> None:
+        """Nothing is kept: each candidate is built, scored and removed."""
 
     def close(self) -> None:
         pass

@@ -3,10 +3,12 @@
 llama.cpp loads a split set by its first file and finds the other parts by name beside it
 (``<stem>-0000k-of-0000N.gguf``; each part's ``split.no`` must be its place). So the base is laid out once
 as N parts: the first holds the metadata and every tensor that is no unit's, each other part one unit's
-tensors. Each donor's version of each unit it is measured on is laid out once too, as a part with the
-same ``split.no``. A candidate — "base + unit u from donor d", the top model (every unit at its best
-version), the top with one unit back at the base's — is a folder of links to the base's parts with some
-linked to a donor's instead: its disk writes are a few links, whatever the model's size.
+tensors. Each donor's version of a unit is laid out as a part with the same ``split.no`` when the first
+candidate that takes it comes, and removed once the last has run (:meth:`Parts.release`): over a ladder of 19
+types, every version of every unit laid out at once would be the ladder's bytes again. A candidate — "base +
+unit u from donor d", the top model (every unit at its best version), the top with one unit back at the base's —
+is a folder of links to the base's parts with some linked to a donor's instead: its disk writes are a few links
+and the parts no candidate before it took, whatever the model's size.
 
 Every part is read back by the strict GGUF reader once it is written, and its tensors' bytes compared
 with their source ranges as they are copied (a copy that differs from its source is refused).
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,22 +39,27 @@ SPACE_MARGIN = 64 << 20
 @dataclass
 class Parts:
     """Where the laid-out parts are: the base's (by index, 0 = metadata + non-unit tensors) and each donor's
-    version of a unit (by (unit index, donor))."""
+    version of a unit (by (unit index, donor)) that is laid out now; ``make`` lays one out."""
 
     root: Path
     count: int
     base: list[Path] = field(default_factory=list)
     donor: dict[tuple[int, str], Path] = field(default_factory=dict)
     candidate_dir: Path | None = None
+    make: Callable[[int, str], Path] | None = None
 
     def name(self, i: int) -> str:
         return split_name(STEM, i + 1, self.count)
 
     def candidate(self, versions: Mapping[int, str]) -> Path:
         """The first file of the model that holds unit ``u`` at donor ``versions[u]``'s version and every other
-        unit at the base's (``{}``: the base itself): one folder of links, re-pointed where they differ."""
+        unit at the base's (``{}``: the base itself): one folder of links, re-pointed where they differ; a
+        version not laid out yet is laid out first."""
         d = self.candidate_dir
-        assert d is not None
+        assert d is not None and self.make is not None
+        for pair in sorted(versions.items()):
+            if pair not in self.donor:
+                self.donor[pair] = self.make(*pair)
         for i, target in enumerate(self.base):
             want = self.donor[(i - 1, versions[i - 1])] if i and (i - 1) in versions else target
             link = d / self.name(i)
@@ -64,13 +71,20 @@ class Parts:
         return d / self.name(0)
 
 
+    def release(self, pairs: Iterable[tuple[int, str]]) -> None:
+        """Remove the parts of ``pairs`` that are laid out: no candidate to come takes them (a link still
+        pointing at one is re-pointed before its folder is loaded again)."""
+        for pair in pairs:
+            path = self.donor.pop(pair, None)
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+
 def part_bytes(base: GGUFModel, units: list[Unit], donors: dict[str, GGUFModel], pairs: Iterable[tuple[int, str]]) -> int:
-    """Bytes the layout writes: the base once, each (unit, donor) version a candidate takes once."""
-    total = base.size
-    for ui, sid in sorted(set(pairs)):
-        dt = donors[sid].by_name()
-        total += sum(dt[n].nbytes for n in units[ui].tensors) + 4096
-    return total
+    """Bytes a layout holds at once: the base, and each (unit, donor) version in ``pairs``."""
+    pairs = sorted(set(pairs))
+    names = {sid: donors[sid].by_name() for sid in {sid for _, sid in pairs}}
+    return base.size + sum(sum(names[sid][n].nbytes for n in units[ui].tensors) + 4096 for ui, sid in pairs)
 
 
 def check_space(folder: Path, need: int) -> None:
@@ -82,10 +96,9 @@ def check_space(folder: Path, need: int) -> None:
 
 
 def lay_out(root: Path, base: GGUFModel, units: list[Unit], donors: dict[str, GGUFModel],
-            pairs: Iterable[tuple[int, str]], progress: Reporter = SILENT) -> Parts:
-    """Write the parts into the new folder ``root``; ``pairs`` lists the (unit index, donor) versions some
-    candidate takes."""
-    pairs = sorted(set(pairs))
+            progress: Reporter = SILENT) -> Parts:
+    """Write the base's parts into the new folder ``root``; the donors' versions are laid out as candidates
+    take them (:meth:`Parts.candidate`)."""
     in_unit = {n for u in units for n in u.tensors}
     count = len(units) + 1
     total = len(base.tensors)
@@ -93,7 +106,7 @@ def lay_out(root: Path, base: GGUFModel, units: list[Unit], donors: dict[str, GG
     root = root.resolve()  # the candidates' links point here: absolute, whatever the working folder
     root.mkdir(parents=True)
     parts.root = root
-    advance = progress.step("laying out the parts once", part_bytes(base, units, donors, pairs))
+    advance = progress.step("laying out the base's parts", base.size)
     meta = [kv for kv in base.metadata.values()]
     first = [t for t in base.tensors if t.name not in in_unit]
     parts.base.append(_write(root / "base" / parts.name(0), meta + _split_keys(0, count, total), base, first, advance))
@@ -101,11 +114,13 @@ def lay_out(root: Path, base: GGUFModel, units: list[Unit], donors: dict[str, GG
     for i, u in enumerate(units):
         ts = [by_name[n] for n in u.tensors]
         parts.base.append(_write(root / "base" / parts.name(i + 1), _split_keys(i + 1, count, total), base, ts, advance))
-    for ui, sid in pairs:
-        d = donors[sid]
-        dn = d.by_name()
-        ts = [dn[n] for n in units[ui].tensors]
-        parts.donor[(ui, sid)] = _write(root / "donors" / sid / parts.name(ui + 1), _split_keys(ui + 1, count, total), d, ts, advance)
+    names = {sid: d.by_name() for sid, d in donors.items()}
+
+    def make(ui: int, sid: str) -> Path:
+        ts = [names[sid][n] for n in units[ui].tensors]
+        return _write(root / "donors" / sid / parts.name(ui + 1), _split_keys(ui + 1, count, total), donors[sid], ts, None)
+
+    parts.make = make
     parts.candidate_dir = root / "candidate"
     parts.candidate_dir.mkdir()
     return parts

@@ -552,20 +552,24 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
     workdir = (Path(req.workdir) if req.workdir is not None else out.parent).resolve()
     scorer: Scorer | None = None
     work: Path | None = None
+    marks = {"base": base_rec, "top": top_rec}  # the panels the candidates' records are told against
+    ends = [*([_mark_job("base", {}, marks)] if base_rec is None else []),
+            *([_mark_job("top", plan.top_map, marks)] if need_top else [])]
+    # a version's parts are laid out for the first candidate that takes it and removed after the last: the
+    # pooled candidates go version by version, so that one version of every kind is laid out at a time
+    jobs = [*(_swap_job(plan, marks, ui, d) for ui, d in swaps), *(_drop_job(plan, marks, ui) for ui in drops),
+            *(_mid_job(plan, marks, ui) for ui in mids),
+            *(_pooled_job(plan, marks, *p) for p in sorted(pooled, key=lambda p: (p[1] != BASE, p[1], p[0])))]
+    seq = [*ends, *jobs]
+    last_use = {pair: i for i, (versions, _, _) in enumerate(seq) for pair in versions.items()}
     try:
-        if swaps or drops or mids or pooled or base_rec is None or need_top or plan.refine:
-            check_space(workdir, side.space_needed(plan.pairs))
+        if seq or plan.refine:
+            check_space(workdir, _space_needed(plan, seq))
             _remove_stale_work(workdir, out.name)
             work = workdir / f".{out.name}.measure-{os.getpid()}"
             shutil.rmtree(work, ignore_errors=True)
-            scorer = side.scorer(plan.pairs, ref, rows, work, req, progress)
+            scorer = side.scorer(ref, rows, work, req, progress)
             head = {**head, "runtime": scorer.runtime}  # after a load: what it offloaded, and where
-        marks = {"base": base_rec, "top": top_rec}  # the panels the candidates' records are told against
-        ends = [*([_mark_job("base", {}, marks)] if base_rec is None else []),
-                *([_mark_job("top", plan.top_map, marks)] if need_top else [])]
-        jobs = [*(_swap_job(plan, marks, ui, d) for ui, d in swaps), *(_drop_job(plan, marks, ui) for ui in drops),
-                *(_mid_job(plan, marks, ui) for ui in mids), *(_pooled_job(plan, marks, *p) for p in pooled)]
-        seq = [*ends, *jobs]
         advance: Callable[[int], None] = lambda n: None  # noqa: E731  (the candidates' step starts after the ends)
         for i, (versions, name, record) in enumerate(seq):  # the next one loaded while this one decodes
             assert scorer is not None
@@ -575,6 +579,7 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
             t0 = time.monotonic()
             then = (seq[i + 1][0], seq[i + 1][1]) if i + 1 < len(seq) else None
             journal.add(record(scorer.score(versions, name, then), t0))
+            scorer.release([pair for pair in versions.items() if last_use[pair] == i])
             if i >= len(ends):
                 fault_point("candidate")
                 advance(1)
@@ -597,6 +602,35 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
     with contextlib.suppress(OSError):
         teacher_path.unlink()
     return out_doc
+
+
+def _space_needed(plan: _Plan, seq: list[_Job]) -> int:
+    """The most bytes the layout holds at once: the base's parts, and every version from the candidate before
+    the first that takes it (loaded ahead while that one decodes) to the last; with ``--refine``, at least a
+    round's: each unit at its largest version and two moves."""
+    side = plan.side
+    base = side.space_needed(())
+    first: dict[tuple[int, str], int] = {}
+    last: dict[tuple[int, str], int] = {}
+    for i, (versions, _, _) in enumerate(seq):
+        for pair in versions.items():
+            first.setdefault(pair, max(0, i - 1))
+            last[pair] = i
+    change = [0] * (len(seq) + 1)
+    largest = 0
+    for pair in first:
+        n = side.space_needed((pair,)) - base
+        change[first[pair]] += n
+        change[last[pair] + 1] -= n
+        largest = max(largest, n)
+    held = peak = 0
+    for c in change:
+        held += c
+        peak = max(peak, held)
+    if plan.refine:
+        each = [max((side.space_needed(((ui, v),)) - base for v in vs[1:]), default=0) for ui, vs in enumerate(side.versions)]
+        peak = max(peak, sum(each) + 2 * max(each, default=0))
+    return base + peak
 
 
 def _document(plan: _Plan, records: list[dict], head: dict, ref: Reference) -> dict:
@@ -745,6 +779,7 @@ def _refine(req: MeasureRequest, journal: Journal, plan: _Plan, head: dict, ref:
             advance(1)
         if not any(r["kind"] == "round-done" and r["round"] == rnd for r in journal.records):
             journal.add({"kind": "round-done", "round": rnd})
+        scorer.release({pair for c in (chosen, *cands) for pair in c.items()})  # the next round lays out its own
         last = chosen
     if not converged:
         final, _ = _plan_at(req, side, _document(plan, journal.records, head, ref), work)

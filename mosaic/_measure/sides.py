@@ -47,7 +47,7 @@ class Side:
     runtime: Callable[[], dict]
     same_bytes: Callable[[int, str], bool]
     space_needed: Callable[[Iterable[tuple[int, str]]], int]
-    scorer: Callable[[Iterable[tuple[int, str]], Reference, Rows, Path, object, Reporter], Scorer]
+    scorer: Callable[[Reference, Rows, Path, object, Reporter], Scorer]
     reference_files: Callable[[str, Reporter], list[dict]]
     weight_errors: Callable[[str | None, int, Reporter, Importance | None], Errors]
     tensors: dict[str, tuple[int, ...]]  # the base's tensors' ggml ne (GGUF; what an importance matrix is checked against)
@@ -145,8 +145,8 @@ def gguf_side(req: object, progress: Reporter) -> Side:
         digests = {"base": _digests(base_files), **{d: _digests(files[d]) for d in donors}}
         return gguf_errors(units, models, digests, t, threads, progress, importance)
 
-    def scorer(pairs: Iterable[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
-        return GGUFScorer(base, donors, units, pairs, ref, rows, work, threads=req.threads,  # type: ignore[attr-defined]
+    def scorer(ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
+        return GGUFScorer(base, donors, units, ref, rows, work, threads=req.threads,  # type: ignore[attr-defined]
                           verbose=req.verbose, gpu_layers=req.gpu_layers, progress=progress)  # type: ignore[attr-defined]
 
     return Side(
@@ -216,8 +216,8 @@ def exl3_side(req: object, progress: Reporter) -> Side:
             t = Path(teacher)
         return exl3_errors(units, {"base": base, **donors}, digests, t, threads, progress)
 
-    def scorer(pairs: Iterable[tuple[int, str]], ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
-        return EXL3_SCORER(base, donors, all_units, pairs, ref, rows, work, progress=progress)
+    def scorer(ref: Reference, rows: Rows, work: Path, req: object, progress: Reporter) -> Scorer:
+        return EXL3_SCORER(base, donors, all_units, ref, rows, work, progress=progress)
 
     return Side("exl3", kind, only, units, selected, versions, sizes, base.ckpt.shard_bytes, base_files, donor_files,
                 lambda: runtime if runtime is not None else EXL3_RUNTIME(), lambda ui, d: False, lambda pairs: 0,
