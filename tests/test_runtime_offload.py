@@ -31,13 +31,16 @@ def _stand_in(supports: bool, n_layer: int = 3) -> types.ModuleType:
     what llama.cpp logs for it (``offloaded N/M layers to GPU`` on a build that can offload)."""
     lc = types.ModuleType("llama_cpp")
     lc.asked = []  # type: ignore[attr-defined]
+    lc.repack = []  # type: ignore[attr-defined]
     lc.sink = None  # type: ignore[attr-defined]
+    lc.system_info = b"CPU : SSE3 = 1 | AVX2 = 1 | REPACK = 1 | "  # type: ignore[attr-defined]
 
     def log_set(cb: object, user: object) -> None:
         lc.sink = cb  # type: ignore[attr-defined]
 
     def load(path: bytes, mp: types.SimpleNamespace) -> object:
         lc.asked.append(mp.n_gpu_layers)  # type: ignore[attr-defined]
+        lc.repack.append(mp.use_extra_bufts)  # type: ignore[attr-defined]
         if supports:
             n = min(mp.n_gpu_layers, n_layer + 1)
             lc.sink(2, f"load_tensors: offloaded {n}/{n_layer + 1} layers to GPU\n".encode(), None)  # type: ignore[attr-defined]
@@ -46,7 +49,8 @@ def _stand_in(supports: bool, n_layer: int = 3) -> types.ModuleType:
     ns = {
         "llama_log_callback": lambda f: f, "llama_log_set": log_set, "llama_backend_init": lambda: None,
         "llama_supports_gpu_offload": lambda: supports,
-        "llama_model_default_params": lambda: types.SimpleNamespace(n_gpu_layers=-1),
+        "llama_model_default_params": lambda: types.SimpleNamespace(n_gpu_layers=-1, use_extra_bufts=True),
+        "llama_print_system_info": lambda: lc.system_info,  # type: ignore[attr-defined]
         "llama_model_load_from_file": load, "llama_model_get_vocab": lambda m: object(),
         "llama_vocab_n_tokens": lambda v: 8,
         "llama_context_default_params": lambda: types.SimpleNamespace(),
@@ -98,6 +102,21 @@ def test_without_a_gpu_all_runs_on_the_cpu_with_one_note(stand_in) -> None:
     # a build that says it can offload but lists no GPU device: the same
     stand_in(True, [("CPU", "Some CPU", 0)])
     assert "no GPU" in (LlamaCppPythonRuntime(2, False, "all").info.note or "")
+
+
+def test_a_build_with_amx_loads_without_the_weight_repack_and_says_so(stand_in) -> None:
+    """A llama.cpp built natively on a CPU with AMX was seen to crash in ggml_backend_amx_mul_mat on Q4_K models
+    unless the weight repack is off (llama-perplexity's --no-repack): mosaic's runtime turns it off there."""
+    lc = stand_in(False, [("CPU", "Some CPU", 0)])
+    r = LlamaCppPythonRuntime(2, False, None)
+    r.load(Path("x.gguf"), ctx=16, batch=16)
+    assert lc.repack[-1] is True and r.info.note is None  # a generic build: repack as llama.cpp chooses
+    lc.system_info = b"CPU : SSE3 = 1 | AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 | "
+    r = LlamaCppPythonRuntime(2, False, None)
+    r.load(Path("x.gguf"), ctx=16, batch=16)
+    assert lc.repack[-1] is False and r.info.note == rt_mod.AMX_NOTE
+    r = LlamaCppPythonRuntime(2, False, "all")  # both notes, one line
+    assert r.info.note is not None and "no GPU" in r.info.note and r.info.note.endswith("; " + rt_mod.AMX_NOTE)
 
 
 def test_gpu_layers_parsing_and_refusals_are_one_line(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ what the measurement loop adds to scoring a model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -73,6 +74,32 @@ def case_eval(runs: int, ctx: int) -> None:
     case_measure_cost(ctx, teacher, cand, text, saved)
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX (the kernel's ``amx_int8`` flag), which a ``-march=native`` llama.cpp then uses."""
+    try:
+        return any(line.startswith("flags") and " amx_int8" in line for line in Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return False
+
+
+def _crashes(passes: tuple[list[str], list[str]]) -> str | None:
+    """One line where a llama-perplexity dies running the case's two passes (a signal, or a failure), else ``None``:
+    a native build must not fail unnoticed inside a timed race."""
+    import signal
+
+    for cmd in passes:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            how = f"exit status {r.returncode}"
+            if r.returncode < 0:
+                how = f"killed by signal {-r.returncode}"
+                with contextlib.suppress(ValueError):
+                    how = f"killed by {signal.Signals(-r.returncode).name}"
+            last = next((ln.strip() for ln in reversed(r.stderr.splitlines()) if ln.strip()), "")
+            return f"{Path(cmd[0]).name} {how}" + (f": {last[:200]}" if last else "")
+    return None
+
+
 def eval_on_bindings(runs: int, ctx: int, what: str, teacher: Path, cand: Path, text: Path, native: str | None) -> Path:
     """The eval rows of ``teacher`` against ``cand`` on each binding, beside the llama-perplexity of the same build
     and ``native`` where given; the teacher's reference saved by the last binding."""
@@ -113,10 +140,19 @@ def _eval_on(binding: str, env: dict[str, str], runs: int, ctx: int, what: str, 
     base_kld = DATA / "eval-base.kld"
     lp: dict[str, tuple[list[str], list[str]]] = {}
     for name, ppl in perplexities.items():
-        lp[name] = ([ppl, "-m", str(teacher), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,
+        # a native build on a CPU with AMX: without the weight repack, whose AMX kernels were seen to crash on Q4_K
+        extra = ["--no-repack"] if "native" in name and cpu_has_amx() else []
+        lp[name] = ([ppl, "-m", str(teacher), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads, *extra,
                      "--kl-divergence-base", str(base_kld)],
-                    [ppl, "-m", str(cand), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads,
+                    [ppl, "-m", str(cand), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", threads, *extra,
                      "--kl-divergence-base", str(base_kld), "--kl-divergence"])
+        crash = _crashes(lp[name])
+        if crash:
+            row(f"eval on {binding}", name, "left out", crash)
+            del lp[name]
+            continue
+        if extra:
+            row(f"eval on {binding}", name, "--no-repack", "this CPU has AMX: llama.cpp's AMX kernels were seen to crash on Q4_K models")
         contenders[f"{name} (base pass, then --kl-divergence)"] = (
             lambda b=lp[name][0], k=lp[name][1]: (sh(b), sh(k)), None)  # type: ignore[misc]
     runtime = doc["runtime"]

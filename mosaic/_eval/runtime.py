@@ -323,12 +323,26 @@ def _cyllama_llama_cpp() -> str:
 # ------------------------------------------------------------------------------------ llama-cpp-python
 
 
+#: Why a llama.cpp built with AMX loads every model without its weight repack (llama-perplexity's ``--no-repack``).
+AMX_NOTE = ("weight repack off: this llama.cpp was built with AMX, whose kernels (ggml_backend_amx_mul_mat) were seen "
+            "to crash on Q4_K models")
+
+
+def repack_safe(system_info: bytes) -> bool:
+    """Whether llama.cpp may repack weights into its CPU's extra buffer types: not where it was built with AMX
+    (a native build on a CPU that has it), whose matrix kernels were seen to crash on Q4_K models. The generic
+    builds (the prebuilt wheel, ``make``'s) have no AMX code; a user's native llama-cpp-python may."""
+    return b"AMX_INT8 = 1" not in system_info
+
+
 class _LlamaCppPythonModel:
-    def __init__(self, lc: Any, path: Path, ctx: int, batch: int, threads: int, offload: _Offload) -> None:
+    def __init__(self, lc: Any, path: Path, ctx: int, batch: int, threads: int, offload: _Offload, repack: bool = True) -> None:
         self._lc = lc
         self._path = path
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = offload.n_gpu_layers
+        if not repack:
+            mp.use_extra_bufts = False
         self._model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             raise RuntimeFailure(f"{path}: llama.cpp could not load the model")
@@ -434,13 +448,15 @@ class LlamaCppPythonRuntime:
         lc.llama_log_set(self._sink, ctypes.c_void_p(0))
         lc.llama_backend_init()
         self._offload = _Offload("llama-cpp-python", gpu_layers, bool(lc.llama_supports_gpu_offload()), _ggml_devices())
+        self._repack = repack_safe(lc.llama_print_system_info())
         o = self._offload
+        note = "; ".join(n for n in (o.note, None if self._repack else AMX_NOTE) if n) or None
         self.info = RuntimeInfo("llama-cpp-python", _version("llama_cpp_python"), _llama_cpp_python_commit(lc), threads,
-                                o.asked, o.device, None, o.note)
+                                o.asked, o.device, None, note)
 
     def load(self, path: Path, *, ctx: int, batch: int) -> LoadedModel:
         assert self._offload is not None
-        return _LlamaCppPythonModel(self._lc, path, ctx, batch, self.info.threads, self._offload)
+        return _LlamaCppPythonModel(self._lc, path, ctx, batch, self.info.threads, self._offload, self._repack)
 
     def quantize(self, src: Path, dst: Path, ftype: int) -> None:
         lc = self._lc
