@@ -500,6 +500,27 @@ def test_the_frontier_picture_is_the_same_bytes_for_the_same_inputs(models: dict
     assert err == ""  # quiet: no font-cache or backend chatter
 
 
+def test_a_frontier_per_quantizer_joins_each_series_in_a_colour_of_its_own(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (make test installs it)")
+    from mosaic._eval.plot import COLOURS, draw
+
+    kl = {("stock", 1): 0.30, ("stock", 2): 0.10, ("mixer", 1): 0.20, ("mixer", 2): 0.05, ("mosaic", 1): 0.15, ("mosaic", 2): 0.04}
+    order = [("mixer", 2), ("stock", 1), ("mosaic", 2), ("stock", 2), ("mixer", 1), ("mosaic", 1)]  # any order
+    cands = [{"model": f"{s}-{n}.gguf", "kl": {"mean": kl[(s, n)]}, "top1": 1 - kl[(s, n)]} for s, n in order]
+    names = [f"Q{n}" if s == "stock" else None for s, n in order]
+    out = tmp_path / "f.svg"
+    draw(out, cands, [n * 10**8 for _, n in order], ("t.gguf", 3 * 10**8), "frontier", series=[s for s, _ in order], labels=names)
+    text = out.read_text()
+    for s in ("mixer", "stock", "mosaic"):
+        assert f">{s}<" in text  # each series named in both legends
+    assert text.count(">Q1<") == text.count(">Q2<") == 2 and "stock-1.gguf" not in text  # labels given, file names not
+    for colour in COLOURS[:3]:  # the series in the order they first come, each its colour, joined by a line
+        assert f"fill: none; stroke: {colour}; stroke-linecap: square" in text  # a line, not only markers
+    draw(tmp_path / "g.svg", cands, [n * 10**8 for _, n in order], ("t.gguf", 3 * 10**8), "frontier", series=[s for s, _ in order],
+         labels=names)
+    assert (tmp_path / "g.svg").read_bytes() == out.read_bytes()
+
+
 def test_the_picture_is_refused_before_any_model_runs(models: dict[str, Path], tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A wrong format, or no matplotlib: one line, before a runtime is handed any file (here a candidate that

@@ -58,8 +58,16 @@ def _label(name: str) -> str:
     return p.name or name
 
 
-def draw(path: Path, candidates: Sequence[dict], sizes: Sequence[int], teacher: tuple[str, int] | None, title: str) -> None:
-    """KL mean and top-1 of each candidate against its bytes, one labelled point each, into ``path``."""
+#: The colours of a picture's series, in the order they first come (the first one the rivals', say, the last mosaic's).
+COLOURS = ("#1f5fa8", "#7f7f7f", "#2e8b57", "#b8860b", "#8e44ad", "#c0392b")
+
+
+def draw(path: Path, candidates: Sequence[dict], sizes: Sequence[int], teacher: tuple[str, int] | None, title: str,
+         series: Sequence[str] | None = None, labels: Sequence[str | None] | None = None) -> None:
+    """KL mean and top-1 of each candidate against its bytes, one labelled point each, into ``path``. With
+    ``series`` (a name per candidate), the points of one series are joined in the order of their sizes, in a
+    colour of their own, and named in a legend: a frontier per quantizer. ``labels`` replace the file names
+    beside the points (``None``: no label)."""
     with _quiet():
         import matplotlib as mpl
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -70,14 +78,24 @@ def draw(path: Path, candidates: Sequence[dict], sizes: Sequence[int], teacher: 
             fig = Figure(figsize=(11, 4.6), layout="constrained")
             kl_ax, top_ax = fig.subplots(1, 2)
             xs = [s / 1e6 for s in sizes]
-            points = [(x, c["kl"]["mean"], c["top1"], _label(c["model"])) for x, c in zip(xs, candidates)]
+            names = labels if labels is not None else [_label(c["model"]) for c in candidates]
+            points = [(x, c["kl"]["mean"], c["top1"], n) for x, c, n in zip(xs, candidates, names)]
+            groups = list(dict.fromkeys(series)) if series is not None else [None]
             t = (teacher[1] / 1e6, 0.0, 1.0, f"{_label(teacher[0])} (teacher)") if teacher is not None else None
             for ax, key, what in ((kl_ax, 1, "KL(teacher ‖ candidate), mean, nats"), (top_ax, 2, "top-1 agreement with the teacher")):
-                ax.scatter([p[0] for p in points], [p[key] for p in points], s=22, color="#1f5fa8", zorder=3)
+                for i, g in enumerate(groups):
+                    mine = sorted(p for j, p in enumerate(points) if series is None or series[j] == g)
+                    colour = COLOURS[i % len(COLOURS)]
+                    ax.scatter([p[0] for p in mine], [p[key] for p in mine], s=22, color=colour, zorder=3, label=g)
+                    if g is not None:
+                        ax.plot([p[0] for p in mine], [p[key] for p in mine], color=colour, linewidth=1, zorder=2)
                 if t is not None:
                     ax.scatter([t[0]], [t[key]], s=60, marker="*", color="#b03a2e", zorder=4)
                 for p in [*points, *([t] if t is not None else [])]:
-                    ax.annotate(p[3], (p[0], p[key]), textcoords="offset points", xytext=(5, 4), fontsize=7)
+                    if p[3]:
+                        ax.annotate(p[3], (p[0], p[key]), textcoords="offset points", xytext=(5, 4), fontsize=7)
+                if series is not None:
+                    ax.legend(fontsize=7)
                 ax.set_xlabel("size on disk, MB")
                 ax.set_ylabel(what)
                 ax.grid(True, color="#dddddd", zorder=0)
