@@ -1,6 +1,7 @@
 """mosaic's benchmark suite: mosaic against the plain baselines on the same data, in one run, as ratios.
 
     python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,plan-ladder,eval,scale,measure] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--eval-ctx 512] [--no-write]
+    python bench/run.py --cases measure --measure-model qwen2.5-coder-1.5b [--measure-methods default,variants]
 
 This file is the command line only. Each case is a module of ``bench/cases/`` named for it (``gguf-stream``:
 ``gguf_stream.py``), over ``bench/harness.py``: the data, the timing, the peak memory and the results table
@@ -32,6 +33,7 @@ from cases.eval import case_eval
 from cases.export import case_export
 from cases.gguf import case_gguf
 from cases.gguf_stream import case_gguf_stream
+from cases.ladder import MODELS, case_ladder
 from cases.measure import case_measure
 from cases.memory import case_memory
 from cases.metadata import case_metadata
@@ -66,6 +68,11 @@ def main() -> int:
     ap.add_argument("--measure-methods", default="default,two-point,refine,kinds,weights",
                     help="words picking the measure case's methods (bench/cases/measure.py: METHODS): a method runs when "
                          "its label holds one (--refine measures again at each rival's size: about 425 forward passes each)")
+    ap.add_argument("--measure-model", default=None, choices=sorted(MODELS),
+                    help="the measure case from the model's source on one procedure (bench/cases/ladder.py): the ladder, "
+                         "the rivals and target-size at the stock types' bytes; --measure-methods words 'default' (mosaic's "
+                         "default measurement, and the frontier) and 'variants' (the eight method variants the default is "
+                         "chosen among). Without it, the SmolLM2 case of every method (bench/cases/measure.py)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     DATA.mkdir(parents=True, exist_ok=True)
@@ -96,7 +103,10 @@ def main() -> int:
         case_eval(args.runs, args.eval_ctx)
     if "scale" in cases:
         case_scale(args.runs, args.eval_ctx)
-    if "measure" in cases:
+    if "measure" in cases and args.measure_model:
+        case_ladder(args.measure_model, args.measure_ctx, args.measure_rows,
+                    {w for w in ("default", "variants") if w in args.measure_methods.split(",")})
+    elif "measure" in cases:
         case_measure(args.measure_ctx, args.measure_rows, args.measure_methods.split(","), args.measure_calibration)
     lines = [f"machine: {machine()}", f"runs per contender: {args.runs} (medians)", "", "| case | contender | median | ratio |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in ROWS]

