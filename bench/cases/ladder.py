@@ -33,6 +33,7 @@ seconds; the table states its peak.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -192,8 +193,11 @@ def ratio(c: dict, r: dict, rows: np.ndarray | None = None) -> tuple[float, floa
 
 
 def case_ladder(model_key: str, ctx: int, measure_rows: int, what: set[str]) -> None:
-    """See the module's docstring."""
+    """See the module's docstring. ``MOSAIC_BENCH_KEEP_LADDER=1`` keeps a model's ladder (and its stock files)
+    between runs where it would go, for a series of runs on one ladder; the disk peak then holds it throughout."""
     model = MODELS[model_key]
+    if os.environ.get("MOSAIC_BENCH_KEEP_LADDER") == "1":
+        model = dataclasses.replace(model, keep=True)
     case = f"ladder: {model.name}, held-out exact KL"
     teacher = model.teacher()
     if teacher is None:
