@@ -194,7 +194,11 @@ def ratio(c: dict, r: dict, rows: np.ndarray | None = None) -> tuple[float, floa
 
 def case_ladder(model_key: str, ctx: int, measure_rows: int, what: set[str]) -> None:
     """See the module's docstring. ``MOSAIC_BENCH_KEEP_LADDER=1`` keeps a model's ladder (and its stock files)
-    between runs where it would go, for a series of runs on one ladder; the disk peak then holds it throughout."""
+    between runs where it would go, for a series of runs on one ladder; the disk peak then holds it throughout.
+    ``MOSAIC_BENCH_RESUME=1`` continues an interrupted run: its working folder stays, the teacher's saved top-k
+    is reused and a measurement's journal is continued (``mosaic measure --resume``, which refuses one whose
+    inputs changed); the measurement's cost then counts only what this run did."""
+    resume = os.environ.get("MOSAIC_BENCH_RESUME") == "1"
     model = MODELS[model_key]
     if os.environ.get("MOSAIC_BENCH_KEEP_LADDER") == "1":
         model = dataclasses.replace(model, keep=True)
@@ -209,8 +213,9 @@ def case_ladder(model_key: str, ctx: int, measure_rows: int, what: set[str]) -> 
         return
     env = _env()
     work = DATA / f"ladder-{model.key}"
-    drop(work)
-    work.mkdir(parents=True)
+    if not resume:
+        drop(work)
+    work.mkdir(parents=True, exist_ok=True)
     stock_dir, ladder_dir = DATA / f"{model.key}-stock", DATA / f"{model.key}-ladder"
     lines = (ROOT / "tests" / "data" / "paragraphs.txt").read_text().splitlines()
     rows, held = work / "measure.txt", work / "held-out.txt"
@@ -222,7 +227,7 @@ def case_ladder(model_key: str, ctx: int, measure_rows: int, what: set[str]) -> 
     started = time.perf_counter()
     with DiskPeak([teacher, work, stock_dir, ladder_dir]) as disk:
         budgets = _rivals(model, teacher, sizes, stock_dir, work, quantize, Path(ts_tool), ctx, held, env, costs, got)
-        plans = _plans(model, teacher, budgets, ladder_dir, work, rows, held, ctx, env, costs, got, what)
+        plans = _plans(model, teacher, budgets, ladder_dir, work, rows, held, ctx, env, costs, got, what, resume)
         if not model.keep:
             drop(ladder_dir)
     wall = time.perf_counter() - started
@@ -268,8 +273,10 @@ def _rivals(model: Model, teacher: Path, sizes: tuple[str, ...], stock_dir: Path
 
 
 def _measure(model: Model, ladder_dir: Path, work: Path, saved: Path, rows: Path, env: dict[str, str],
-             costs: dict[str, float], name: str, flags: list[str]) -> tuple[Path, dict]:
+             costs: dict[str, float], name: str, flags: list[str], resume: bool = False) -> tuple[Path, dict]:
     out = work / f"{name}.json"
+    if resume and out.with_name(out.name + ".partial").is_file():
+        flags = [*flags, "--resume"]
     r = _timed(costs, f"measure: {name}", [*MOSAIC, "measure", "--ladder", str(ladder_dir), "--reference", str(saved), "--text",
                                             str(rows), "--unit", "module-group", "--imatrix", str(model.imatrix), *flags,
                                             "--out", str(out), "--json"], env=env)
@@ -277,21 +284,24 @@ def _measure(model: Model, ladder_dir: Path, work: Path, saved: Path, rows: Path
 
 
 def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Path, work: Path, rows: Path, held: Path, ctx: int,
-           env: dict[str, str], costs: dict[str, float], got: dict[str, dict], what: set[str]) -> dict[str, dict]:
+           env: dict[str, str], costs: dict[str, float], got: dict[str, dict], what: set[str], resume: bool = False
+           ) -> dict[str, dict]:
     """The ladder, the measurement(s), every plan at every budget, built and scored two at a time."""
     _timed(costs, "mosaic ladder", [*MOSAIC, "ladder", str(teacher), "--out", str(ladder_dir), "--imatrix", str(model.imatrix),
                                     "--types", model.types, "--llama-quantize", str(_tool("llama-quantize"))], env=env)
     saved = work / "teacher.npz"
-    _timed(costs, "the teacher's top-k on the measured rows", [*MOSAIC, "eval", "--reference", str(teacher), "--text", str(rows),
-                                                                "--ctx", str(ctx), "--save-reference", str(saved)], env=env)
+    if not (resume and saved.is_file()):
+        _timed(costs, "the teacher's top-k on the measured rows", [*MOSAIC, "eval", "--reference", str(teacher), "--text", str(rows),
+                                                                    "--ctx", str(ctx), "--save-reference", str(saved)], env=env)
     docs: dict[str, tuple[Path, dict, dict[str, int]]] = {}  # measurement label -> (document, measured, the budgets it plans at)
     if "default" in what:
-        path, doc = _measure(model, ladder_dir, work, saved, rows, env, costs, "the default", [])
+        path, doc = _measure(model, ladder_dir, work, saved, rows, env, costs, "the default", [], resume)
         docs["the default"] = (path, doc, budgets)
     if "variants" in what:
         from mosaic._measure.variants import derive
 
-        path, doc = _measure(model, ladder_dir, work, saved, rows, env, costs, "variants", ["--imatrix-cap", "--curve", "versions"])
+        path, doc = _measure(model, ladder_dir, work, saved, rows, env, costs, "variants", ["--imatrix-cap", "--curve", "versions"],
+                             resume)
         raw_path = work / "weights-raw.json"
         r = _timed(costs, "measure: the raw weighting's weight errors", [
             *MOSAIC, "measure", "--ladder", str(ladder_dir), "--reference", str(teacher), "--method", "weights", "--unit",
