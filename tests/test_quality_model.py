@@ -272,7 +272,7 @@ def test_refusals_are_one_line(smol: dict[str, Path], tmp_path: Path) -> None:
         assert r.exit_code == 2 and r.stderr.startswith("mosaic: error: ") and r.stderr.count("\n") == 1, r.output
         return r.stderr
 
-    assert "needs --only-layers" in one(*common, *run, "--calibrate", "kinds")
+    assert "not with --shard" in one(*common, *run, "--curve", "versions", "--shard", "1/2")
     assert "not of --method swaps" in one(*common, *run, "--calibrate", "kinds", "--only-layers", "3", "--method", "swaps")
     assert "K/N" in one(*common, *run, "--shard", "x")
     assert "between 1 and N" in one(*common, *run, "--shard", "4/3")

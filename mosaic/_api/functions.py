@@ -603,15 +603,15 @@ def measure(
     reference: PathLike | None = None,
     text: PathLike | None = None,
     method: str = "top-down",
-    calibrate: str = "units",
-    curve: str = "line",
+    calibrate: str | None = None,
+    curve: str | None = None,
     unit: str | None = None,
     only_layers: str | Sequence[int] | None = None,
     ctx: int | None = None,
     top_k: int | None = None,
     shard: str | None = None,
     imatrix: PathLike | None = None,
-    imatrix_cap: bool = False,
+    imatrix_cap: bool | None = None,
     refine: int = 0,
     max_size: int | str | None = None,
     merge: Sequence[PathLike] | None = None,
@@ -638,6 +638,8 @@ def measure(
     log-midpoint of the top's and the worst's weight errors: each unit's loss as two lines) or ``"versions"``
     (each kind's measured units moved together to each of their versions, one forward pass per kind and version:
     each unit's line times its kind's factor there, where that measurement proves the line wrong).
+    Left at None, ``calibrate``, ``curve`` and ``imatrix_cap`` take mosaic's defaults (:mod:`mosaic._measure.defaults`:
+    chosen by held-out KL on two models), each yielding to a flag given that it cannot go with.
     ``unit``: ``layer``, ``layer-experts`` or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list.
     ``imatrix``: an importance matrix (llama-imatrix's GGUF or legacy ``.dat``, a file or a pinned hub file
     ``"ORG/NAME@COMMIT:FILE"``) that weights every weight error by each input channel's importance (GGUF bases);
@@ -675,7 +677,7 @@ def measure(
         given = [k for k, v in (("base", base), ("donors", donors), ("reference", reference), ("text", text),
                                 ("shard", shard), ("only_layers", only_layers), ("imatrix", imatrix),
                                 ("max_size", max_size), ("ladder", ladder)) if v is not None] \
-            + [k for k, on in (("refine", refine), ("imatrix_cap", imatrix_cap)) if on]
+            + [k for k, on in (("refine", refine), ("imatrix_cap", imatrix_cap is not None)) if on]
         if given:
             raise MosaicError(f"--merge joins the shards' documents alone: {', '.join(given)} not used")
         return MeasureResult(Path(out), _merge([Path(p) for p in merge], Path(out), force=force))

@@ -53,6 +53,7 @@ from mosaic._measure.calibrate import (
     unit_key,
     worst_versions,
 )
+from mosaic._measure.defaults import resolved
 from mosaic._measure.importance import CAP, load_importance
 from mosaic._measure.journal import Journal, journal_path
 from mosaic._measure.parts import check_space
@@ -94,15 +95,15 @@ class MeasureRequest:
     threads: int | None = None
     verbose: bool = False
     method: str = "top-down"
-    calibrate: str = "units"
+    calibrate: str | None = None  # None: the default (mosaic._measure.defaults), set by measure() before anything runs
     shard: str | None = None
     imatrix: str | None = None
     refine: int = 0  # rounds of measurement at the plan (top-down, GGUF)
     max_size: int | None = None  # the budget the refinement plans at
     gpu_layers: int | str | None = None  # llama.cpp's offload ("all", a count; None: the default)
-    curve: str = "line"  # top-down: one drop per unit (a line), two (to the worst and a middle version), or versions
+    curve: str | None = None  # top-down: one drop per unit (a line), two (to the worst and a middle version), or versions
     ladder: bool = False  # the sources are a ladder's rungs: a unit alike in several (type and bytes) is one version
-    imatrix_cap: bool = False  # --imatrix-cap: the importances held under a robust ceiling (importance.capped)
+    imatrix_cap: bool | None = None  # --imatrix-cap: the importances held under a robust ceiling (importance.capped)
     ladder_source: tuple[str, int] | None = None  # --ladder: the SHA-256 and size of the model its rungs were made of
 
 
@@ -131,16 +132,14 @@ def _se(a: list[float], b: list[float]) -> float:
     return statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
 
 
-def _check_request(req: MeasureRequest) -> Shard | None:
-    """Everything that can be refused before a source is opened."""
+def _check_request(req: MeasureRequest, asked: MeasureRequest) -> Shard | None:
+    """Everything that can be refused before a source is opened (``req`` resolved, ``asked`` as given)."""
     if req.method not in METHODS:
         raise MosaicError(f"--method {req.method}: one of {', '.join(METHODS)}")
     if req.calibrate not in CALIBRATIONS:
         raise MosaicError(f"--calibrate {req.calibrate}: one of {', '.join(CALIBRATIONS)}")
     if req.calibrate == "kinds" and req.method != "top-down":
         raise MosaicError(f"--calibrate kinds calibrates the drops of --method top-down, not of --method {req.method}")
-    if req.calibrate == "kinds" and not req.only_layers:
-        raise MosaicError("--calibrate kinds needs --only-layers: the layers whose units are measured to calibrate each kind")
     shard = parse_shard(req.shard) if req.shard is not None else None
     if req.curve not in CURVES:
         raise MosaicError(f"--curve {req.curve}: one of {', '.join(CURVES)}")
@@ -149,7 +148,8 @@ def _check_request(req: MeasureRequest) -> Shard | None:
     if req.curve == "two-point" and req.calibrate == "kinds":
         raise MosaicError(f"--curve {req.curve} gives each unit a curve of its own: not with --calibrate kinds")
     if req.curve == "versions" and req.shard is not None:
-        raise MosaicError("--curve versions moves each kind's units together, across every layer: not with --shard")
+        raise MosaicError("--curve versions moves each kind's units together, across every layer: not with --shard"
+                          + ("" if asked.curve else " (versions is the default curve; --curve line shards)"))
     if req.curve == "versions" and req.refine:
         raise MosaicError("--curve versions and --refine both correct the line, each from its own moves: choose one")
     if req.refine < 0:
@@ -186,7 +186,8 @@ def measure(req: MeasureRequest, progress: Reporter = SILENT) -> dict:
     looked at, so that a second measurement of the same ``--out`` (``--force`` and ``--resume`` included) is
     refused before it could delete or append to this one's journal."""
     started = time.monotonic()
-    shard = _check_request(req)
+    given, req = req, resolved(req)
+    shard = _check_request(req, given)
     with output_lock(req.out, "mosaic measure"):
         return _measure(req, shard, started, progress)
 

@@ -22,6 +22,7 @@ from mosaic._api import functions as api
 from mosaic._base.errors import MosaicError, SigningError
 from mosaic._base.literal import printable
 from mosaic._base.version import __version__
+from mosaic._measure import defaults
 from mosaic.cli.render import stdout_console
 
 
@@ -416,13 +417,15 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--method", type=click.Choice(["top-down", "weights", "swaps"]), default="top-down", show_default=True,
               help="top-down: weight errors from the files, calibrated by one drop from the top model per unit; "
                    "weights: the weight errors alone (no model runs); swaps: every base + one unit from one donor, run.")
-@click.option("--calibrate", type=click.Choice(["units", "kinds"]), default="units", show_default=True,
-              help="top-down: each unit's own sensitivity, or one per kind of unit pooled over --only-layers and given to every layer.")
-@click.option("--curve", type=click.Choice(["line", "two-point", "versions"]), default="line", show_default=True,
+@click.option("--calibrate", type=click.Choice(["units", "kinds"]), default=None,
+              help="top-down: each unit's own sensitivity, or one per kind of unit pooled over --only-layers (default every "
+                   f"layer) and given to every layer. [default: {defaults.CALIBRATE}]")
+@click.option("--curve", type=click.Choice(["line", "two-point", "versions"]), default=None,
               help="top-down: each unit's loss as the line through its drop to its worst version; two-point: two lines "
                    "through a second drop to the version halfway (log scale) between the top's and the worst's weight "
                    "errors; versions: the line times its kind's factor at each version, measured by moving the kind's "
-                   "units there together (one forward pass per kind and version).")
+                   "units there together (one forward pass per kind and version). "
+                   f"[default: {defaults.CURVE}; line with --refine]")
 @click.option("--unit", type=click.Choice(["layer", "layer-experts", "module-group"]), default=None,
               help="What a candidate takes from a donor (default: layer-experts where the base has routed experts, else layer).")
 @click.option("--only-layers", "only_layers", default=None, metavar="LIST", help="Measure only these layers, e.g. 0-5,9,12.")
@@ -431,9 +434,10 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--imatrix", "imatrix", default=None, metavar="SRC",
               help="An importance matrix (llama-imatrix's .gguf or .dat; a file or org/name@<commit>:<file>) weighting "
                    "every weight error by how much each input channel matters (GGUF bases).")
-@click.option("--imatrix-cap", "imatrix_cap", is_flag=True,
+@click.option("--imatrix-cap/--no-imatrix-cap", "imatrix_cap", default=None,
               help="Hold each channel's importance under a robust ceiling (its row's median × e^(3.5 robust SDs of the "
-                   "logs)), so that one channel of massive activations cannot hide every other channel's error.")
+                   "logs)), so that one channel of massive activations cannot hide every other channel's error. "
+                   f"[default: {'on' if defaults.IMATRIX_CAP else 'off'} with --imatrix]")
 @click.option("--refine", type=click.IntRange(1, 100), default=None, metavar="N",
               help="top-down: up to N rounds measured where the plan of --max-size lands (one move of every unit from it), "
                    "each kind of unit rescaled by what its moves measured, until the plan repeats.")
@@ -453,8 +457,8 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--json", "as_json", is_flag=True, help="Print the measurement document on stdout.")
 @_guarded
 def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], ladder: Path | None, reference: str | None, text: Path | None,
-                method: str, calibrate: str, curve: str, unit: str | None, only_layers: str | None, ctx: int | None, top_k: int | None,
-                imatrix: str | None, imatrix_cap: bool, refine: int | None, max_size: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
+                method: str, calibrate: str | None, curve: str | None, unit: str | None, only_layers: str | None, ctx: int | None,
+                top_k: int | None, imatrix: str | None, imatrix_cap: bool | None, refine: int | None, max_size: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
                 force: bool, threads: int | None, gpu_layers: str | None, verbose: bool, as_json: bool) -> None:
     """Measure what each unit buys from each donor, on the model, for mosaic plan: by default from the weight
     errors in the files, calibrated from the top (one forward pass per unit); --merge joins a sharded one."""
