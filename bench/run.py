@@ -33,7 +33,7 @@ from cases.eval import case_eval
 from cases.export import case_export
 from cases.gguf import case_gguf
 from cases.gguf_stream import case_gguf_stream
-from cases.ladder import MODELS, case_ladder
+from cases.ladder import MODELS, case_frontier, case_ladder
 from cases.measure import case_measure
 from cases.memory import case_memory
 from cases.metadata import case_metadata
@@ -72,7 +72,9 @@ def main() -> int:
                     help="the measure case from the model's source on one procedure (bench/cases/ladder.py): the ladder, "
                          "the rivals and target-size at the stock types' bytes; --measure-methods words 'default' (mosaic's "
                          "default measurement, and the frontier) and 'variants' (the eight method variants the default is "
-                         "chosen among). Without it, the SmolLM2 case of every method (bench/cases/measure.py)")
+                         "chosen among); 'frontier' after a variants run kept (MOSAIC_BENCH_KEEP_LADDER=1, "
+                         "MOSAIC_BENCH_RESUME=1): the chosen variant planned at every frontier size, drawn. Without it, "
+                         "the SmolLM2 case of every method (bench/cases/measure.py)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     DATA.mkdir(parents=True, exist_ok=True)
@@ -104,8 +106,12 @@ def main() -> int:
     if "scale" in cases:
         case_scale(args.runs, args.eval_ctx)
     if "measure" in cases and args.measure_model:
-        case_ladder(args.measure_model, args.measure_ctx, args.measure_rows,
-                    {w for w in ("default", "variants") if w in args.measure_methods.split(",")})
+        words = args.measure_methods.split(",")
+        if {"default", "variants"} & set(words):
+            case_ladder(args.measure_model, args.measure_ctx, args.measure_rows,
+                        {w for w in ("default", "variants") if w in words})
+        if "frontier" in words:
+            case_frontier(args.measure_model, args.measure_ctx)
     elif "measure" in cases:
         case_measure(args.measure_ctx, args.measure_rows, args.measure_methods.split(","), args.measure_calibration)
     lines = [f"machine: {machine()}", f"runs per contender: {args.runs} (medians)", "", "| case | contender | median | ratio |", "|---|---|---|---|"]

@@ -19,7 +19,7 @@ What runs (``what``):
 - ``default``: the measurement ``mosaic measure --ladder DIR --imatrix M`` makes with no method flag, its plans at
   the goal's sizes and, for a model with a frontier, at every stock type's bytes, with target-size there too:
   the frontier, drawn into ``bench/frontier-<model>.svg``.
-- ``variants``: one measurement with ``--imatrix-cap --curve versions``, read as the eight variants of the three
+- ``variants``: one measurement with ``--imatrix-cap --calibrate units --curve versions``, read as the eight variants of the three
   method flags (:mod:`mosaic._measure.variants`), each planned at the goal's sizes; when both models' variants
   are on disk, the rule of bench/RESULTS.md ("Choosing the ladder's default on two models") chooses among them.
 
@@ -241,10 +241,69 @@ def case_ladder(model_key: str, ctx: int, measure_rows: int, what: set[str]) -> 
         choose_default()
 
 
+def case_frontier(model_key: str, ctx: int) -> None:
+    """The frontier from a finished variants run of ``model_key`` (its folder kept: ``MOSAIC_BENCH_KEEP_LADDER=1``
+    and ``MOSAIC_BENCH_RESUME=1`` on that run): the variant the rule chose, read from the same measurement,
+    planned at every frontier size it was not planned at, the stock types and target-size (warm, from that run's
+    state) at those sizes, all scored on the same held-out rows, added to ``ladder-<model>.json`` and drawn."""
+    model = MODELS[model_key]
+    case = f"ladder: {model.name}, the frontier of the default"
+    saved = DATA / f"ladder-{model.key}.json"
+    work, stock_dir, ladder_dir = DATA / f"ladder-{model.key}", DATA / f"{model.key}-stock", DATA / f"{model.key}-ladder"
+    teacher, quantize, ts_tool = model.teacher(), _tool("llama-quantize"), os.environ.get(model.target_size)
+    run = json.loads(saved.read_text()) if saved.is_file() else None
+    if not model.frontier:
+        row(case, "skipped", "the model has no frontier sizes", "")
+        return
+    if run is None or "variants" not in run["what"] or not (work / "variants.json").is_file() or not ladder_dir.is_dir():
+        row(case, "skipped", "needs a variants run of this model with its folder and ladder kept", "")
+        return
+    if teacher is None or quantize is None or not ts_tool:
+        row(case, "skipped", f"needs the model, llama-quantize and target-size's ({model.target_size})", "")
+        return
+    chosen = choose_default()
+    if chosen is None:
+        row(case, "skipped", "the rule needs both models' variants runs", "")
+        return
+    from mosaic._measure.variants import derive
+
+    cap, cal, curve = next(v for v in VARIANTS if variant_label(v) == chosen)
+    doc = derive(json.loads((work / "variants.json").read_text()), calibrate=cal, curve=curve,
+                 weights=None if cap else json.loads((work / "weights-raw.json").read_text()))
+    path = work / "frontier.json"
+    path.write_text(json.dumps(doc))
+    budgets, got, plans, costs = run["budgets"], run["got"], run["plans"], run["costs"]
+    env, held = _env(), work / "held-out.txt"
+    started = time.perf_counter()
+    with DiskPeak([teacher, work, stock_dir, ladder_dir]) as disk:
+        missing = tuple(t for t in model.frontier if t not in budgets)
+        if missing:
+            _timed(costs, "target-size: the teacher's F32 copy, made again", [str(ts_tool), "--allow-requantize", str(teacher),
+                                                                               str(work / "teacher-f32.gguf"), "F32"])
+            budgets |= _rivals(model, teacher, missing, stock_dir, work, quantize, Path(ts_tool), ctx, held, env, costs, got,
+                               cold=False)
+        recipes: dict[str, Path] = {}
+        _plan(chosen, "variants", path, doc, {t: budgets[t] for t in model.frontier if f"{chosen} @ {t}" not in got},
+              ladder_dir, work, env, costs, plans, recipes)
+        _build_and_score(recipes, teacher, held, ctx, work, env, costs, got)
+    wall = time.perf_counter() - started
+    for t in model.frontier:
+        c, ts = got[f"{chosen} @ {t}"], got[f"target-size at {t}"]
+        q, se = ratio(c, ts)
+        row(case, f"{chosen} @ {t}", f"{c['bytes']:,} bytes", f"KL {c['kl']:.4f} ({q:.2f} ± {se:.2f} × target-size's "
+            f"{ts['kl']:.4f}), p99 {c['p99']:.3f} ({ts['p99']:.3f}), top-1 {c['top1']:.4f} ({ts['top1']:.4f})")
+    row(case, "this extension", f"{wall / 3600:.2f} h", f"disk peak {disk.peak / 1e9:.1f} GB")
+    saved.write_text(json.dumps(run | {"budgets": budgets, "got": got, "plans": plans, "costs": costs,
+                                       "frontier": {"label": chosen, "wall": wall, "disk_peak": disk.peak}}, indent=1))
+    frontier(model, teacher, got, chosen)
+
+
 def _rivals(model: Model, teacher: Path, sizes: tuple[str, ...], stock_dir: Path, work: Path, quantize: Path, ts_tool: Path,
-            ctx: int, held: Path, env: dict[str, str], costs: dict[str, float], got: dict[str, dict]) -> dict[str, int]:
+            ctx: int, held: Path, env: dict[str, str], costs: dict[str, float], got: dict[str, dict], cold: bool = True
+            ) -> dict[str, int]:
     """The stock types with the matrix and target-size at their bytes, scored and (for a model not kept) removed:
-    ``{stock type: its bytes}``, the budgets every plan is held to."""
+    ``{stock type: its bytes}``, the budgets every plan is held to. ``cold``: target-size's first size makes its
+    error state; otherwise the state of an earlier run is there and every size is warm."""
     stock_dir.mkdir(parents=True, exist_ok=True)
     stock: dict[str, Path] = {}
     for t in sizes:
@@ -259,10 +318,10 @@ def _rivals(model: Model, teacher: Path, sizes: tuple[str, ...], stock_dir: Path
     mixer: dict[str, Path] = {}
     for i, t in enumerate(sizes):  # the first run is cold (the F32 copy, every tensor's errors), the others warm
         dst = work / f"target-size-{t}.gguf"
-        _timed(costs, "target-size, cold" if i == 0 else "target-size, warm", ["bash", str(TARGET_SIZE_SCRIPT), "run", str(ts_tool),
+        _timed(costs, "target-size, cold" if i == 0 and cold else "target-size, warm", ["bash", str(TARGET_SIZE_SCRIPT), "run", str(ts_tool),
                                                                               str(teacher), str(model.imatrix), str(budgets[t]), str(dst)])
         mixer[f"target-size at {t}"] = dst
-    costs["target-size, warm"] = costs.get("target-size, warm", 0.0) / max(1, len(sizes) - 1)  # per size
+    costs["target-size, warm"] = costs.get("target-size, warm", 0.0) / max(1, len(sizes) - cold)  # per size
     (work / "teacher-f32.gguf").unlink(missing_ok=True)
     _evaluate({f"{t} (imatrix)": p for t, p in stock.items()} | mixer, teacher, held, ctx, env, costs, got)
     for p in mixer.values():
@@ -300,12 +359,13 @@ def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Pat
     if "variants" in what:
         from mosaic._measure.variants import derive
 
-        path, doc = _measure(model, ladder_dir, work, saved, rows, env, costs, "variants", ["--imatrix-cap", "--curve", "versions"],
+        path, doc = _measure(model, ladder_dir, work, saved, rows, env, costs, "variants", ["--imatrix-cap", "--calibrate", "units",
+                                                                                         "--curve", "versions"],
                              resume)
         raw_path = work / "weights-raw.json"
         r = _timed(costs, "measure: the raw weighting's weight errors", [
             *MOSAIC, "measure", "--ladder", str(ladder_dir), "--reference", str(teacher), "--method", "weights", "--unit",
-            "module-group", "--imatrix", str(model.imatrix), "--out", str(raw_path), "--json"], env=env)
+            "module-group", "--imatrix", str(model.imatrix), "--no-imatrix-cap", "--out", str(raw_path), "--json"], env=env)
         raw = json.loads(r.stdout)
         goal = {t: budgets[t] for t in model.goal}
         for v in VARIANTS:
@@ -317,17 +377,30 @@ def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Pat
     plans: dict[str, dict] = {}
     recipes: dict[str, Path] = {}
     for label, (path, doc, at) in docs.items():
-        for t, n in at.items():
-            name = f"{label} @ {t}"
-            recipe = work / f"plan-{len(recipes)}.yaml"
-            r = _timed(costs, "plans", [*MOSAIC, "plan", "--ladder", str(ladder_dir), "--scores", str(path), "--max-size", str(n),
-                                        "--out", str(recipe), "--json"], env=env)
-            plans[name] = {"measurement": label, "run": "the default" if label == "the default" else "variants", "at": t,
-                           "chosen": json.loads(r.stdout)["chosen"], "forward_passes": doc["forward_passes"],
-                           "timing": doc.get("timing")}
-            recipes[name] = recipe
+        _plan(label, "the default" if label == "the default" else "variants", path, doc, at, ladder_dir, work, env, costs,
+              plans, recipes)
     if not model.keep:
         _keep_used_rungs(ladder_dir, recipes.values())
+    _build_and_score(recipes, teacher, held, ctx, work, env, costs, got)
+    return plans
+
+
+def _plan(label: str, run: str, path: Path, doc: dict, at: dict[str, int], ladder_dir: Path, work: Path, env: dict[str, str],
+          costs: dict[str, float], plans: dict[str, dict], recipes: dict[str, Path]) -> None:
+    """``mosaic plan`` of one measurement document at every budget of ``at``, into ``plans`` and ``recipes``."""
+    for t, n in at.items():
+        name = f"{label} @ {t}"
+        recipe = work / f"plan-{len(list(work.glob('plan-*.yaml')))}.yaml"
+        r = _timed(costs, "plans", [*MOSAIC, "plan", "--ladder", str(ladder_dir), "--scores", str(path), "--max-size", str(n),
+                                    "--out", str(recipe), "--json"], env=env)
+        plans[name] = {"measurement": label, "run": run, "at": t, "chosen": json.loads(r.stdout)["chosen"],
+                       "forward_passes": doc["forward_passes"], "timing": doc.get("timing")}
+        recipes[name] = recipe
+
+
+def _build_and_score(recipes: dict[str, Path], teacher: Path, held: Path, ctx: int, work: Path, env: dict[str, str],
+                     costs: dict[str, float], got: dict[str, dict]) -> None:
+    """Every recipe built and scored, ``BATCH`` at a time, each removed once scored."""
     names = list(recipes)
     for i in range(0, len(names), BATCH):
         batch = {}
@@ -338,7 +411,6 @@ def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Pat
         _evaluate(batch, teacher, held, ctx, env, costs, got)
         for out in batch.values():
             drop(out)
-    return plans
 
 
 def _keep_used_rungs(ladder_dir: Path, recipes: object) -> None:
@@ -380,14 +452,15 @@ def differences(plan: dict[str, str], rival: dict[str, str]) -> str:
     return "; ".join(f"{k}: {counts(a)} / {counts(b)}" for k, (a, b) in sorted(by.items())) or "the same types"
 
 
-def frontier(model: Model, teacher: Path, got: dict[str, dict]) -> Path:
+def frontier(model: Model, teacher: Path, got: dict[str, dict], label: str = "the default") -> Path:
     """``bench/frontier-<model>.svg``: KL and top-1 against bytes of the stock types, target-size and mosaic's default
-    at every stock type's bytes, one line each (``mosaic eval --plot``'s picture, from the case's scored files)."""
+    (``label``: its plans' name) at every stock type's bytes, one line each (``mosaic eval --plot``'s picture, from
+    the case's scored files)."""
     from mosaic._eval.plot import draw
 
     picks = [(f"{t} (imatrix)", "llama.cpp's stock types (imatrix)", t) for t in model.frontier]
     picks += [(f"target-size at {t}", "llama.cpp --target-size", None) for t in model.frontier]
-    picks += [(f"the default @ {t}", "mosaic: ladder, measure, plan (the default)", None) for t in model.frontier]
+    picks += [(f"{label} @ {t}", "mosaic: ladder, measure, plan (the default)", None) for t in model.frontier]
     out = ROOT / "bench" / f"frontier-{model.key}.svg"
     draw(out, [{"model": k, "kl": {"mean": got[k]["kl"]}, "top1": got[k]["top1"]} for k, _, _ in picks],
          [got[k]["bytes"] for k, _, _ in picks], (model.name, teacher.stat().st_size),
