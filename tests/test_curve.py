@@ -112,12 +112,31 @@ def test_shards_of_a_two_point_measurement_merge_to_the_one_run(models: dict[str
         part = _measure(models, p, shard=f"{k}/2")
         assert all(r["dkl"] is None for r in part["results"])
     merged = mosaic.measure(merge=parts, out=tmp_path / "m.json").as_dict()
+    summed: dict[str, list[float]] = {}  # timing.stages: every shard's passes and seconds, summed
+    for p in parts:
+        for k, v in json.loads(p.read_text())["timing"]["stages"].items():
+            summed.setdefault(k, [0, 0.0])
+            summed[k] = [summed[k][0] + v["passes"], summed[k][1] + v["seconds"]]
+    assert {k: v["passes"] for k, v in merged["timing"]["stages"].items()} == {k: v[0] for k, v in summed.items()}
+    assert all(merged["timing"]["stages"][k]["seconds"] == pytest.approx(v[1], abs=2e-3) for k, v in summed.items())
+    assert summed["base"][0] == 2 and summed["drop"][0] == len(two["measured"])  # each shard ran its own base
     one = json.loads(json.dumps(two))  # a copy
     for d in (merged, one):
         for key in ("seconds", "seconds_per_candidate", "timing"):  # where the time went differs from run to run
             d.pop(key)
         d["runtime"].pop("threads")
     assert merged == one
+
+
+def test_timing_counts_each_stage_s_passes(two: dict) -> None:
+    """One run against a saved teacher: its stages' passes are its forward passes, stage by stage."""
+    st = two["timing"]["stages"]
+    assert st["weights"]["passes"] == 0 and st["weights"]["seconds"] >= 0
+    assert (st["base"]["passes"], st["top"]["passes"]) == (1, 1) and "teacher" not in st
+    assert st["drop"]["passes"] == len(two["measured"])
+    assert st["drop-mid"]["passes"] == sum("mid" in m for m in two["measured"])
+    assert sum(v["passes"] for v in st.values()) == two["forward_passes"]
+    assert all(v["seconds"] > 0 for k, v in st.items() if k != "weights")
 
 
 def test_curve_refusals_are_one_line(models: dict[str, Path], tmp_path: Path) -> None:

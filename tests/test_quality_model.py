@@ -221,7 +221,11 @@ def test_shards_merged_are_the_one_run(top_down: dict, smol: dict[str, Path], tm
     one = json.loads(json.dumps(top_down))
     spent = [json.loads(p.read_text())["timing"] for p in parts]  # where each part's time went, summed
     assert doc["timing"] == {**{k: pytest.approx(sum(t[k] for t in spent), abs=2e-3) for k in ("load", "decode", "panel")},
-                             "preloaded": sum(t["preloaded"] for t in spent)}
+                             "preloaded": sum(t["preloaded"] for t in spent),
+                             "stages": {k: {"passes": sum(t["stages"][k]["passes"] for t in spent),
+                                            "seconds": pytest.approx(sum(t["stages"][k]["seconds"] for t in spent), abs=2e-3)}
+                                        for k in ("weights", "base", "top", "drop")}}
+    assert doc["timing"]["stages"]["drop"]["passes"] == 7  # every shard's drops, once
     assert doc["timing"]["preloaded"] > 0  # each part's next candidates were loaded while one decoded
     for d in (doc, one):
         for key in ("seconds", "seconds_per_candidate", "timing"):

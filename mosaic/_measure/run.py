@@ -245,7 +245,9 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
             weights_from = made_of
             weights_note = (f"weights compared with {made_of}, the model the saved reference was made of and the "
                             f"ladder's source (sha256 {req.ladder_source[0]})")
+    t_weights = time.monotonic()
     errors = side.weight_errors(weights_from, threads, progress, importance)
+    weights_seconds = time.monotonic() - t_weights
     layers = sorted(side.layers) if side.layers is not None else None
     settings: dict = {"unit": side.unit, "ctx": ctx, "top_k": k, "layers": layers,
                       "kl": None if k is None else {"kind": "top-k lower bound", "k": k},
@@ -288,7 +290,8 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
         assert rows is not None and reference is not None
         notes = _runtime_notes(req, side, reference) + ([weights_note] if weights_note else [])
         return _run(req, journal, plan, rows, reference, teacher_path,
-                    {**head, "runtime": runtime, **({"notes": notes} if notes else {})}, out, started, progress)
+                    {**head, "runtime": runtime, **({"notes": notes} if notes else {})}, out, started, weights_seconds,
+                    progress)
     finally:
         journal.close()
 
@@ -435,13 +438,14 @@ def _teacher(req: MeasureRequest, journal: Journal, reference: dict, teacher_pat
     if done:
         raise MosaicError(f"--resume: the teacher's saved top-k {teacher_path} is missing or changed; measure again without --resume")
     tmp = teacher_path.with_name(teacher_path.name + ".tmp.npz")
+    t0 = time.monotonic()
     evaluate(EvalRequest([], req.reference, req.text, ctx, k, save_reference=tmp, threads=req.threads, verbose=req.verbose,
                          gpu_layers=req.gpu_layers), progress)
     with open(tmp, "rb") as f:  # durable before the journal names it
         os.fsync(f.fileno())
     os.replace(tmp, teacher_path)
     fsync_dir(teacher_path.parent)
-    journal.add({"kind": "teacher", "sha256": _sha256(teacher_path)})
+    journal.add({"kind": "teacher", "sha256": _sha256(teacher_path), "seconds": time.monotonic() - t0})
     return load_reference(teacher_path)
 
 
@@ -532,7 +536,7 @@ def _pooled_job(plan: _Plan, marks: dict[str, dict | None], kind: str, v: str, m
 
 
 def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, reference: dict, teacher_path: Path,
-         head: dict, out: Path, started: float, progress: Reporter) -> dict:
+         head: dict, out: Path, started: float, weights_seconds: float, progress: Reporter) -> dict:
     side = plan.side
     units = side.units
     settings = head["settings"]
@@ -597,12 +601,30 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
     doc["seconds"] = round(time.monotonic() - started, 3)
     if scorer is not None:  # this run's (a resumed one's own): loading candidates, their decode, the panel
         doc["timing"] = {k: round(v, 3) for k, v in scorer.timing.items()}
+        doc["timing"]["stages"] = stages(journal.records, weights_seconds)
     out_doc = _write(doc, out)
     journal.close()
     journal.path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         teacher_path.unlink()
     return out_doc
+
+
+#: The journal's records that are one forward pass each (a result with the base's own bytes is not run).
+PASS_KINDS = ("teacher", "base", "top", "result", "drop", "drop-mid", "pooled", "round", "move")
+
+
+def stages(records: list[dict], weights_seconds: float) -> dict[str, dict[str, float]]:
+    """``timing.stages``: the weight errors' seconds (this run's), and per kind of forward pass its count and
+    seconds, from the journal, so a resumed measurement counts every pass it holds, whichever run made it: what
+    the method costs, stage by stage, not what one process did."""
+    out: dict[str, dict[str, float]] = {"weights": {"passes": 0, "seconds": round(weights_seconds, 3)}}
+    for r in records:
+        if r["kind"] in PASS_KINDS and not r.get("same_as_base"):
+            s = out.setdefault(r["kind"], {"passes": 0, "seconds": 0.0})
+            s["passes"] += 1
+            s["seconds"] += r.get("seconds", 0.0)
+    return {k: {"passes": v["passes"], "seconds": round(v["seconds"], 3)} for k, v in out.items()}
 
 
 def _space_needed(plan: _Plan, seq: list[_Job]) -> int:

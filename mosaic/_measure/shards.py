@@ -183,6 +183,14 @@ def _merge(parts: list[Path], out: Path, force: bool) -> dict:
         doc["timing"] = {k: round(sum(t[k] for t in timed), 3) for k in ("load", "decode", "panel")}
         if any("preloaded" in t for t in timed):
             doc["timing"]["preloaded"] = sum(t.get("preloaded", 0) for t in timed)
+        if any("stages" in t for t in timed):  # every shard's passes, the teacher's once per shard that ran it
+            summed: dict[str, dict[str, float]] = {}
+            for t in timed:
+                for k, v in t.get("stages", {}).items():
+                    s = summed.setdefault(k, {"passes": 0, "seconds": 0.0})
+                    s["passes"] += v["passes"]
+                    s["seconds"] += v["seconds"]
+            doc["timing"]["stages"] = {k: {"passes": v["passes"], "seconds": round(v["seconds"], 3)} for k, v in summed.items()}
     doc["seconds_per_candidate"] = (round(sum(c * (d["seconds_per_candidate"] or 0.0) for c, d in ran) / total, 3)
                                     if total else None)
     # one run: the teacher, the base (and the top) once, and every candidate
