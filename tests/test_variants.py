@@ -45,7 +45,7 @@ def _weights(m: dict[str, Path], out: Path, cap: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def source(models: dict[str, Path]) -> dict:
-    return _measure(models, models["dir"] / "all.json", imatrix_cap=True, curve="versions")
+    return _measure(models, models["dir"] / "all.json", imatrix_cap=True, calibrate="units", curve="versions")
 
 
 def _predictions(doc: dict) -> dict[tuple, tuple[float, float]]:
@@ -77,7 +77,7 @@ def test_each_variant_read_from_one_measurement_is_that_variants_own_measurement
 def test_without_the_ceiling_the_weight_errors_are_the_raw_weightings(models: dict[str, Path], source: dict,
                                                                        tmp_path: Path) -> None:
     raw = _weights(models, tmp_path / "raw.json", cap=False)
-    real = _measure(models, tmp_path / "real.json")  # the raw weighting, the line, each unit's own alpha
+    real = _measure(models, tmp_path / "real.json", imatrix_cap=False, calibrate="units", curve="line")  # the raw weighting
     got = derive(source, calibrate="units", curve="line", weights=raw)
     assert validation_errors(got) == []
     assert got["settings"] == real["settings"] and "cap" not in got["settings"]["imatrix"]
@@ -93,13 +93,33 @@ def test_without_the_ceiling_the_weight_errors_are_the_raw_weightings(models: di
         assert r["dkl"] == pytest.approx(s["dkl"], rel=1e-9, abs=1e-12)
 
 
+def test_kinds_from_a_sample_of_layers_is_that_samples_own_measurement(models: dict[str, Path], source: dict,
+                                                                       tmp_path: Path) -> None:
+    real = _measure(models, tmp_path / "real.json", imatrix_cap=True, calibrate="kinds", curve="line", only_layers="1")
+    got = derive(source, calibrate="kinds", curve="line", layers=[1])
+    assert validation_errors(got) == []
+    assert got["settings"] == real["settings"] and got["settings"]["layers"] == [1]
+    assert got["forward_passes"] == real["forward_passes"] < source["forward_passes"]
+    assert sorted((m["layer"] is None, str(m["layer"]), m["group"]) for m in got["measured"]) == sorted(
+        (m["layer"] is None, str(m["layer"]), m["group"]) for m in real["measured"])
+    mine, theirs = _predictions(got), _predictions(real)
+    assert mine.keys() == theirs.keys()
+    for k, (dkl, se) in theirs.items():
+        assert mine[k][0] == pytest.approx(dkl, rel=1e-9, abs=1e-12), k
+        assert mine[k][1] == pytest.approx(se, rel=1e-9, abs=1e-12), k
+    with pytest.raises(mosaic.MosaicError, match="a sample of layers calibrates kinds"):
+        derive(source, calibrate="units", curve="line", layers=[1])
+    with pytest.raises(mosaic.MosaicError, match=r"layers \[5\]: not among the measured layers"):
+        derive(source, calibrate="kinds", curve="line", layers=[1, 5])
+
+
 def test_what_the_passes_cannot_give_is_refused(models: dict[str, Path], source: dict, tmp_path: Path) -> None:
     line = derive(source, calibrate="units", curve="line")
     with pytest.raises(mosaic.MosaicError, match="needs the pooled candidates"):
         derive(line, calibrate="units", curve="versions")
     with pytest.raises(mosaic.MosaicError, match="a variant is units or kinds, line or versions"):
         derive(source, calibrate="units", curve="two-point")
-    some = _measure(models, tmp_path / "some.json", imatrix_cap=True, calibrate="kinds", only_layers="0")
+    some = _measure(models, tmp_path / "some.json", imatrix_cap=True, calibrate="kinds", curve="line", only_layers="0")
     with pytest.raises(mosaic.MosaicError, match=r"every unit needs a drop of its own .*; 1/\w+ has none"):
         derive(some, calibrate="units", curve="line")
     other = mosaic.measure(base=models["Q4_0"], donors={"q8": models["Q8_0"]}, reference=models["F16"], method="weights",
