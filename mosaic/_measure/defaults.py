@@ -34,7 +34,7 @@ class Method:
 
 
 #: ``--ladder DIR`` with no method flag.
-LADDER = Method(imatrix_cap=False, calibrate="units", curve="line")
+LADDER = Method(imatrix_cap=True, calibrate="kinds", curve="versions")
 #: ``--base``/``--donor`` with no method flag.
 DONORS = Method(imatrix_cap=False, calibrate="units", curve="line")
 
