@@ -41,6 +41,19 @@ def test_no_method_flag_is_the_chosen_default(where: str) -> None:
     assert _method(_req(where, imatrix=None))["imatrix_cap"] is False  # no matrix, nothing to cap
 
 
+def test_the_help_says_the_defaults() -> None:
+    from click.testing import CliRunner
+
+    from mosaic.cli.commands import main
+
+    text = " ".join(CliRunner().invoke(main, ["measure", "--help"]).output.split())
+    on = {True: "on", False: "off"}
+    assert f"[default: {CHOSEN['ladder']['calibrate']} over --ladder, {CHOSEN['donors']['calibrate']} otherwise]" in text
+    assert f"[default: {CHOSEN['ladder']['curve']} over --ladder, {CHOSEN['donors']['curve']} otherwise;" in text
+    assert (f"[default with --imatrix: {on[CHOSEN['ladder']['imatrix_cap']]} over --ladder, "
+            f"{on[CHOSEN['donors']['imatrix_cap']]} otherwise]") in text
+
+
 @pytest.mark.parametrize("where", ["ladder", "donors"])
 @pytest.mark.parametrize("given", [{"imatrix_cap": True}, {"imatrix_cap": False}, {"calibrate": "kinds"},
                                    {"calibrate": "units"}, {"curve": "versions"}, {"curve": "line"},

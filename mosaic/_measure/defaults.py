@@ -20,10 +20,10 @@ the flag that makes it possible, because a sharded measurement must mean what th
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from mosaic._measure.run import MeasureRequest
+#: mosaic._measure.run's MeasureRequest (named here by its fields: run imports this module, not the reverse)
+Request = TypeVar("Request", bound=Any)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ LADDER = Method(imatrix_cap=True, calibrate="kinds", curve="versions")
 DONORS = Method(imatrix_cap=False, calibrate="units", curve="line")
 
 
-def resolved(req: MeasureRequest) -> MeasureRequest:
+def resolved(req: Request) -> Request:
     """``req`` with every method flag it leaves open (None) set to the default that goes with the ones it gives."""
     d = LADDER if req.ladder else DONORS
     top_down = req.method == "top-down"

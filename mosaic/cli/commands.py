@@ -22,7 +22,6 @@ from mosaic._api import functions as api
 from mosaic._base.errors import MosaicError, SigningError
 from mosaic._base.literal import printable
 from mosaic._base.version import __version__
-from mosaic._measure import defaults
 from mosaic.cli.render import stdout_console
 
 
@@ -419,14 +418,13 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
                    "weights: the weight errors alone (no model runs); swaps: every base + one unit from one donor, run.")
 @click.option("--calibrate", type=click.Choice(["units", "kinds"]), default=None,
               help="top-down: each unit's own sensitivity, or one per kind of unit pooled over --only-layers (default every "
-                   f"layer) and given to every layer. [default: {defaults.LADDER.calibrate} over --ladder, "
-                   f"{defaults.DONORS.calibrate} otherwise]")
+                   "layer) and given to every layer. [default: kinds over --ladder, units otherwise]")
 @click.option("--curve", type=click.Choice(["line", "two-point", "versions"]), default=None,
               help="top-down: each unit's loss as the line through its drop to its worst version; two-point: two lines "
                    "through a second drop to the version halfway (log scale) between the top's and the worst's weight "
                    "errors; versions: the line times its kind's factor at each version, measured by moving the kind's "
                    "units there together (one forward pass per kind and version). "
-                   f"[default: {defaults.LADDER.curve} over --ladder, {defaults.DONORS.curve} otherwise; line with --refine]")
+                   "[default: versions over --ladder, line otherwise; line with --refine]")
 @click.option("--unit", type=click.Choice(["layer", "layer-experts", "module-group"]), default=None,
               help="What a candidate takes from a donor (default: layer-experts where the base has routed experts, else layer).")
 @click.option("--only-layers", "only_layers", default=None, metavar="LIST", help="Measure only these layers, e.g. 0-5,9,12.")
@@ -438,8 +436,7 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--imatrix-cap/--no-imatrix-cap", "imatrix_cap", default=None,
               help="Hold each channel's importance under a robust ceiling (its row's median × e^(3.5 robust SDs of the "
                    "logs)), so that one channel of massive activations cannot hide every other channel's error. "
-                   f"[default with --imatrix: {'on' if defaults.LADDER.imatrix_cap else 'off'} over --ladder, "
-                   f"{'on' if defaults.DONORS.imatrix_cap else 'off'} otherwise]")
+                   "[default with --imatrix: on over --ladder, off otherwise]")
 @click.option("--refine", type=click.IntRange(1, 100), default=None, metavar="N",
               help="top-down: up to N rounds measured where the plan of --max-size lands (one move of every unit from it), "
                    "each kind of unit rescaled by what its moves measured, until the plan repeats.")
