@@ -387,7 +387,8 @@ def test_where_the_time_went_is_reported_apart_from_the_runtime(top_down: dict, 
     """`timing` (load, decode, panel seconds) beside the document, never in `runtime`, which saved references and
     `--merge` compare: a measurement's candidates were loaded, decoded and scored, and eval says the same of its own."""
     t = top_down["timing"]
-    assert set(t) == {"load", "decode", "panel", "preloaded"} and t["load"] > 0 and t["decode"] > 0 and t["panel"] > 0
+    assert set(t) == {"load", "decode", "panel", "preloaded", "stages"} and t["load"] > 0 and t["decode"] > 0 and t["panel"] > 0
+    assert sum(v["passes"] for v in t["stages"].values()) == top_down["forward_passes"]  # a saved teacher: no teacher pass
     assert 0 < t["preloaded"] < top_down["forward_passes"]  # every candidate but the first loaded while one decoded
     assert t["decode"] + t["panel"] + t["load"] <= top_down["seconds"]
     assert "timing" not in (top_down["runtime"] or {})
