@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from mosaic._base.errors import FormatError, MosaicError
@@ -111,3 +112,31 @@ class Journal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+#: The records that are one forward pass each (a result with the base's own bytes is not run).
+PASS_KINDS = ("teacher", "base", "top", "result", "drop", "drop-mid", "pooled", "round", "move")
+
+
+def _tally(items: Iterable[tuple[str, int, float]]) -> dict[str, dict[str, float]]:
+    """``{stage: {passes, seconds}}`` summed over ``(stage, passes, seconds)``."""
+    out: dict[str, dict[str, float]] = {}
+    for k, n, sec in items:
+        s = out.setdefault(k, {"passes": 0, "seconds": 0.0})
+        s["passes"] += n
+        s["seconds"] += sec
+    return {k: {"passes": v["passes"], "seconds": round(v["seconds"], 3)} for k, v in out.items()}
+
+
+def stages(records: list[dict], weights_seconds: float) -> dict[str, dict[str, float]]:
+    """``timing.stages``: the weight errors' seconds (this run's), and per kind of forward pass its count and
+    seconds, from the journal, so a resumed measurement counts every pass it holds, whichever run made it: what
+    the method costs, stage by stage, not what one process did."""
+    return _tally([("weights", 0, weights_seconds),
+                   *((r["kind"], 1, r.get("seconds", 0.0)) for r in records
+                     if r["kind"] in PASS_KINDS and not r.get("same_as_base"))])
+
+
+def summed_stages(parts: Iterable[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Shards' ``timing.stages`` summed: the cost of every shard's passes (each shard's own base and top too)."""
+    return _tally([(k, v["passes"], v["seconds"]) for st in parts for k, v in st.items()])

@@ -55,7 +55,7 @@ from mosaic._measure.calibrate import (
 )
 from mosaic._measure.defaults import resolved
 from mosaic._measure.importance import CAP, load_importance
-from mosaic._measure.journal import Journal, journal_path
+from mosaic._measure.journal import Journal, journal_path, stages
 from mosaic._measure.parts import check_space
 from mosaic._measure.refine import (
     kind_ratios,
@@ -608,23 +608,6 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
     with contextlib.suppress(OSError):
         teacher_path.unlink()
     return out_doc
-
-
-#: The journal's records that are one forward pass each (a result with the base's own bytes is not run).
-PASS_KINDS = ("teacher", "base", "top", "result", "drop", "drop-mid", "pooled", "round", "move")
-
-
-def stages(records: list[dict], weights_seconds: float) -> dict[str, dict[str, float]]:
-    """``timing.stages``: the weight errors' seconds (this run's), and per kind of forward pass its count and
-    seconds, from the journal, so a resumed measurement counts every pass it holds, whichever run made it: what
-    the method costs, stage by stage, not what one process did."""
-    out: dict[str, dict[str, float]] = {"weights": {"passes": 0, "seconds": round(weights_seconds, 3)}}
-    for r in records:
-        if r["kind"] in PASS_KINDS and not r.get("same_as_base"):
-            s = out.setdefault(r["kind"], {"passes": 0, "seconds": 0.0})
-            s["passes"] += 1
-            s["seconds"] += r.get("seconds", 0.0)
-    return {k: {"passes": v["passes"], "seconds": round(v["seconds"], 3)} for k, v in out.items()}
 
 
 def _space_needed(plan: _Plan, seq: list[_Job]) -> int:

@@ -21,6 +21,7 @@ from mosaic._base.errors import MosaicError, OutputError, VerificationError
 from mosaic._base.lock import output_lock
 from mosaic._measure.calibrate import BASE, complete, unit_key, worst_versions
 from mosaic._measure.importance import imatrix_name
+from mosaic._measure.journal import summed_stages
 from mosaic._plan.measurement import SCHEMA_ID, dumps, load_measurement, validation_errors
 
 _SHARD_RE = re.compile(r"^(\d+)/(\d+)$")
@@ -184,13 +185,7 @@ def _merge(parts: list[Path], out: Path, force: bool) -> dict:
         if any("preloaded" in t for t in timed):
             doc["timing"]["preloaded"] = sum(t.get("preloaded", 0) for t in timed)
         if any("stages" in t for t in timed):  # every shard's passes, the teacher's once per shard that ran it
-            summed: dict[str, dict[str, float]] = {}
-            for t in timed:
-                for k, v in t.get("stages", {}).items():
-                    s = summed.setdefault(k, {"passes": 0, "seconds": 0.0})
-                    s["passes"] += v["passes"]
-                    s["seconds"] += v["seconds"]
-            doc["timing"]["stages"] = {k: {"passes": v["passes"], "seconds": round(v["seconds"], 3)} for k, v in summed.items()}
+            doc["timing"]["stages"] = summed_stages(t.get("stages", {}) for t in timed)
     doc["seconds_per_candidate"] = (round(sum(c * (d["seconds_per_candidate"] or 0.0) for c, d in ran) / total, 3)
                                     if total else None)
     # one run: the teacher, the base (and the top) once, and every candidate
