@@ -20,8 +20,8 @@ from tests.test_ladder import WIDE
 #: The defaults as chosen: over a ladder by the rule of bench/RESULTS.md ("Choosing the ladder's default on two
 #: models"), over published quantizations by the README's table of them. A change of default is a change of these
 #: lines, with the evidence that made it.
-CHOSEN = {"ladder": {"imatrix_cap": True, "calibrate": "kinds", "curve": "versions"},
-          "donors": {"imatrix_cap": False, "calibrate": "units", "curve": "line"}}
+CHOSEN = {"ladder": {"imatrix_cap": True, "calibrate": "kinds", "curve": "versions", "sample_layers": 0},
+          "donors": {"imatrix_cap": False, "calibrate": "units", "curve": "line", "sample_layers": 0}}
 
 
 def _req(where: str = "ladder", **kw: object) -> MeasureRequest:
@@ -31,7 +31,7 @@ def _req(where: str = "ladder", **kw: object) -> MeasureRequest:
 
 def _method(req: MeasureRequest) -> dict[str, object]:
     r = defaults.resolved(req)
-    return {"imatrix_cap": r.imatrix_cap, "calibrate": r.calibrate, "curve": r.curve}
+    return {"imatrix_cap": r.imatrix_cap, "calibrate": r.calibrate, "curve": r.curve, "sample_layers": r.sample_layers}
 
 
 @pytest.mark.parametrize("where", ["ladder", "donors"])
@@ -52,6 +52,8 @@ def test_the_help_says_the_defaults() -> None:
     assert f"[default: {CHOSEN['ladder']['curve']} over --ladder, {CHOSEN['donors']['curve']} otherwise;" in text
     assert (f"[default with --imatrix: {on[CHOSEN['ladder']['imatrix_cap']]} over --ladder, "
             f"{on[CHOSEN['donors']['imatrix_cap']]} otherwise]") in text
+    assert CHOSEN["ladder"]["sample_layers"] == CHOSEN["donors"]["sample_layers"] == 0
+    assert "[default: 0, every layer]" in text
 
 
 @pytest.mark.parametrize("where", ["ladder", "donors"])
@@ -59,7 +61,10 @@ def test_the_help_says_the_defaults() -> None:
                                    {"calibrate": "units"}, {"curve": "versions"}, {"curve": "line"},
                                    {"calibrate": "kinds", "curve": "versions", "imatrix_cap": True}])
 def test_a_flag_given_is_kept_and_the_others_default(where: str, given: dict[str, object]) -> None:
-    assert _method(_req(where, **given)) == {**CHOSEN[where], **given}
+    want = {**CHOSEN[where], **given}
+    if want["calibrate"] != "kinds":
+        want["sample_layers"] = 0  # a sample of layers fits kinds; per unit, every unit's drop runs
+    assert _method(_req(where, **given)) == want
 
 
 @pytest.mark.parametrize("where", ["ladder", "donors"])

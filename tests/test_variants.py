@@ -95,10 +95,12 @@ def test_without_the_ceiling_the_weight_errors_are_the_raw_weightings(models: di
 
 def test_kinds_from_a_sample_of_layers_is_that_samples_own_measurement(models: dict[str, Path], source: dict,
                                                                        tmp_path: Path) -> None:
-    real = _measure(models, tmp_path / "real.json", imatrix_cap=True, calibrate="kinds", curve="line", only_layers="1")
-    got = derive(source, calibrate="kinds", curve="line", layers=[1])
+    real = _measure(models, tmp_path / "real.json", imatrix_cap=True, calibrate="kinds", curve="versions", sample_layers=1)
+    got = derive(source, calibrate="kinds", curve="versions", layers=[1])
     assert validation_errors(got) == []
-    assert got["settings"] == real["settings"] and got["settings"]["layers"] == [1]
+    assert got["settings"] == real["settings"] and got["settings"]["sampled_layers"] == [1]
+    assert got["settings"]["layers"] is None  # the plans price every layer's units
+    assert got["pooled"] == real["pooled"]  # every layer's units moved together, as the sample measures them
     assert got["forward_passes"] == real["forward_passes"] < source["forward_passes"]
     assert sorted((m["layer"] is None, str(m["layer"]), m["group"]) for m in got["measured"]) == sorted(
         (m["layer"] is None, str(m["layer"]), m["group"]) for m in real["measured"])
@@ -108,9 +110,9 @@ def test_kinds_from_a_sample_of_layers_is_that_samples_own_measurement(models: d
         assert mine[k][0] == pytest.approx(dkl, rel=1e-9, abs=1e-12), k
         assert mine[k][1] == pytest.approx(se, rel=1e-9, abs=1e-12), k
     with pytest.raises(mosaic.MosaicError, match="a sample of layers calibrates kinds"):
-        derive(source, calibrate="units", curve="line", layers=[1])
+        derive(source, calibrate="units", curve="versions", layers=[1])
     with pytest.raises(mosaic.MosaicError, match=r"layers \[5\]: not among the measured layers"):
-        derive(source, calibrate="kinds", curve="line", layers=[1, 5])
+        derive(source, calibrate="kinds", curve="versions", layers=[1, 5])
 
 
 def test_what_the_passes_cannot_give_is_refused(models: dict[str, Path], source: dict, tmp_path: Path) -> None:

@@ -607,6 +607,7 @@ def measure(
     curve: str | None = None,
     unit: str | None = None,
     only_layers: str | Sequence[int] | None = None,
+    sample_layers: int | None = None,
     ctx: int | None = None,
     top_k: int | None = None,
     shard: str | None = None,
@@ -641,6 +642,8 @@ def measure(
     Left at None, ``calibrate``, ``curve`` and ``imatrix_cap`` take mosaic's defaults (:mod:`mosaic._measure.defaults`:
     chosen by held-out KL on two models), each yielding to a flag given that it cannot go with.
     ``unit``: ``layer``, ``layer-experts`` or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list.
+    ``sample_layers`` (``calibrate="kinds"``): the drops run at this many layers spread over the depth, the
+    versions curve still moving every layer's units (0: every layer; None: the default, a few over a ladder).
     ``imatrix``: an importance matrix (llama-imatrix's GGUF or legacy ``.dat``, a file or a pinned hub file
     ``"ORG/NAME@COMMIT:FILE"``) that weights every weight error by each input channel's importance (GGUF bases);
     ``imatrix_cap``: those importances held under a robust ceiling first (a row's median × e^(3.5 robust standard
@@ -675,7 +678,8 @@ def measure(
         from mosaic._measure.shards import merge as _merge
 
         given = [k for k, v in (("base", base), ("donors", donors), ("reference", reference), ("text", text),
-                                ("shard", shard), ("only_layers", only_layers), ("imatrix", imatrix),
+                                ("shard", shard), ("only_layers", only_layers), ("sample_layers", sample_layers),
+                                ("imatrix", imatrix),
                                 ("max_size", max_size), ("ladder", ladder)) if v is not None] \
             + [k for k, on in (("refine", refine), ("imatrix_cap", imatrix_cap is not None)) if on]
         if given:
@@ -687,6 +691,7 @@ def measure(
     _in_range("--ctx", ctx, 2, 1 << 20)
     _in_range("--top-k", top_k, 1, 1 << 16)
     _in_range("--threads", threads, 1, 1024)
+    _in_range("--sample-layers", sample_layers, 0, 1 << 16)
     if only_layers is None or isinstance(only_layers, str):
         layers = only_layers
     elif not only_layers:
@@ -698,7 +703,7 @@ def measure(
                          None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard,
                          None if imatrix is None else os.fspath(imatrix), refine,
                          parse_size(max_size) if isinstance(max_size, str) else max_size, parse_gpu_layers(gpu_layers), curve,
-                         ladder is not None, imatrix_cap, ladder_source)
+                         ladder is not None, imatrix_cap, ladder_source, sample_layers)
     with _running(progress, unit="candidates") as r:
         doc = _measure(req, r)
     return MeasureResult(Path(out), doc)

@@ -53,7 +53,7 @@ from mosaic._measure.calibrate import (
     unit_key,
     worst_versions,
 )
-from mosaic._measure.defaults import resolved
+from mosaic._measure.defaults import resolved, spread
 from mosaic._measure.importance import CAP, load_importance
 from mosaic._measure.journal import Journal, journal_path, stages
 from mosaic._measure.parts import check_space
@@ -105,6 +105,7 @@ class MeasureRequest:
     ladder: bool = False  # the sources are a ladder's rungs: a unit alike in several (type and bytes) is one version
     imatrix_cap: bool | None = None  # --imatrix-cap: the importances held under a robust ceiling (importance.capped)
     ladder_source: tuple[str, int] | None = None  # --ladder: the SHA-256 and size of the model its rungs were made of
+    sample_layers: int | None = None  # --calibrate kinds: drops at this many layers spread over the depth (0: every layer)
 
 
 def _remove_stale_work(workdir: Path, name: str) -> None:
@@ -141,6 +142,16 @@ def _check_request(req: MeasureRequest, asked: MeasureRequest) -> Shard | None:
     if req.calibrate == "kinds" and req.method != "top-down":
         raise MosaicError(f"--calibrate kinds calibrates the drops of --method top-down, not of --method {req.method}")
     shard = parse_shard(req.shard) if req.shard is not None else None
+    if req.sample_layers:
+        if req.sample_layers < 0:
+            raise MosaicError(f"--sample-layers {req.sample_layers}: a number of layers (0: every layer)")
+        if req.calibrate != "kinds":
+            raise MosaicError(f"--sample-layers fits each kind's factor from a few layers' drops: it goes with "
+                              f"--calibrate kinds, not --calibrate {req.calibrate}")
+        if req.only_layers is not None:
+            raise MosaicError("--sample-layers and --only-layers both choose the layers whose drops run: give one of them")
+        if req.refine:
+            raise MosaicError("--refine moves every unit from the plan it measures: not with --sample-layers")
     if req.curve not in CURVES:
         raise MosaicError(f"--curve {req.curve}: one of {', '.join(CURVES)}")
     if req.curve != "line" and req.method != "top-down":
@@ -265,7 +276,11 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
             raise MosaicError(f"--max-size {req.max_size:,} bytes: smaller than any plan (every unit at its version of "
                               f"fewest bytes is {smallest:,} bytes)")
         settings["refine"] = {"rounds": req.refine, "max_size": req.max_size}
-    plan = _Plan(side, errors, req.method, measured_units, shard, req.refine, req.curve)
+    sample = sampled_layers(req, side)
+    if sample is not None:
+        settings["sampled_layers"] = sample
+    pooled_units = list(range(len(side.units))) if sample is not None else measured_units
+    plan = _Plan(side, errors, req.method, measured_units, shard, req.refine, req.curve, pooled_units)
     if shard is not None:
         settings["shard"] = {"k": shard.k, "n": shard.n, "units": [unit_key(side.units[u].layer, side.units[u].group)
                                                                     for u in measured_units]}
@@ -326,10 +341,23 @@ def _runtime_notes(req: MeasureRequest, side: Side, reference: dict | None) -> l
     return notes
 
 
+def sampled_layers(req: MeasureRequest, side: Side) -> list[int] | None:
+    """The layers ``--sample-layers`` runs the drops of; None where every layer's run (no sample asked, or no
+    fewer layers than it asks for)."""
+    every = sorted({u.layer for u in side.units if u.layer is not None})
+    if not req.sample_layers or req.sample_layers >= len(every):
+        return None
+    return spread(every, req.sample_layers)
+
+
 def _measured_units(req: MeasureRequest, side: Side) -> list[int]:
-    """The units whose candidates run: the selected ones; under ``--calibrate kinds`` also the units outside
-    the layers (``token_embd``, ``output``: kinds of their own). Every kind of the model must be among them."""
+    """The units whose candidates run: the selected ones (of ``--sample-layers``' layers where it is given);
+    under ``--calibrate kinds`` also the units outside the layers (``token_embd``, ``output``: kinds of their
+    own). Every kind of the model must be among them."""
     units = list(side.selected)
+    sample = sampled_layers(req, side)
+    if sample is not None:
+        units = [i for i in units if side.units[i].layer in sample]
     if req.calibrate == "kinds":
         units += [i for i, u in enumerate(side.units) if u.layer is None and i not in units]
         have = {kind_of(side.units[i].group) for i in units}
@@ -346,7 +374,7 @@ class _Plan:
     """What runs: the versions of the top, the candidates of this run (its shard), the laid-out versions."""
 
     def __init__(self, side: Side, errors: Errors, method: str, measured_units: list[int], shard: Shard | None,
-                 refine: int = 0, curve: str = "line") -> None:
+                 refine: int = 0, curve: str = "line", pooled_units: list[int] | None = None) -> None:
         self.side, self.errors, self.method, self.refine = side, errors, method, refine
         self.measured_units = measured_units
         mine = [u for i, u in enumerate(measured_units) if shard is None or in_shard(i, shard)]
@@ -364,8 +392,10 @@ class _Plan:
                                       self.top[ui], self.to[ui])
                     if mid is not None:
                         self.mids[ui] = mid
-            #: --curve versions: (kind, version, the units moved there) for every version of each kind's measured units
-            self.pooled = _pooled(side, measured_units, self.top, self.to) if curve == "versions" else []
+            #: --curve versions: (kind, version, the units moved there) for every version of each kind's units:
+            #: the measured ones, or every layer's where the drops ran at a sample of layers
+            self.pooled = (_pooled(side, measured_units if pooled_units is None else pooled_units, self.top, self.to)
+                           if curve == "versions" else [])
             self.pairs = (set(self.top_map.items()) | set(self.mids.items())
                           | {(ui, self.to[ui]) for ui in self.drops if self.to[ui] != BASE}
                           | {(ui, v) for _, v, moved in self.pooled if v != BASE for ui in moved})

@@ -46,7 +46,7 @@ def derive(doc: Mapping[str, object], *, calibrate: str, curve: str, weights: Ma
     """The document a top-down measurement with ``--calibrate calibrate --curve curve`` would have written from
     the passes of ``doc`` (a complete top-down document, not a shard); with ``weights`` (a ``--method weights``
     document of the same sources), its weight errors in place of ``doc``'s; with ``layers`` (``--calibrate
-    kinds`` only), the drops of those layers alone pooled, as ``--only-layers`` would measure them (the units
+    kinds`` only), the drops of those layers alone pooled, as ``--sample-layers`` measures them (the units
     outside the layers, ``token_embd`` and ``output``, keep theirs; the pooled candidates stay those of every
     layer, which a sampled measurement moves as well).
 
@@ -102,7 +102,7 @@ def derive(doc: Mapping[str, object], *, calibrate: str, curve: str, weights: Ma
         kept = [m for m in out["measured"] if m["layer"] is None or m["layer"] in set(layers)]
         out["forward_passes"] -= len(out["measured"]) - len(kept)  # type: ignore[operator]
         out["measured"] = kept
-        out["settings"]["layers"] = sorted(set(layers))
+        out["settings"]["sampled_layers"] = sorted(set(layers))
         notes.append(f"the drops of layers {','.join(map(str, sorted(set(layers))))} alone, of a measurement of every layer")
     if curve == "line" and out.pop("pooled", None):
         out["forward_passes"] -= len(doc["pooled"])  # type: ignore[arg-type]

@@ -428,6 +428,10 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--unit", type=click.Choice(["layer", "layer-experts", "module-group"]), default=None,
               help="What a candidate takes from a donor (default: layer-experts where the base has routed experts, else layer).")
 @click.option("--only-layers", "only_layers", default=None, metavar="LIST", help="Measure only these layers, e.g. 0-5,9,12.")
+@click.option("--sample-layers", "sample_layers", type=click.IntRange(0, 1 << 16), default=None, metavar="N",
+              help="--calibrate kinds: the drops run at N layers, the middle one of each of N equal shares of the "
+                   "depth, each kind's factor fitted from them; the versions curve still moves every layer's units: "
+                   "the passes no longer grow with the layers. [default: 0, every layer]")
 @click.option("--ctx", type=click.IntRange(2, 1 << 20), default=None, help="Tokens per window (default 512, or the saved reference's).")
 @click.option("--top-k", "top_k", type=click.IntRange(1, 1 << 16), default=None, help="Teacher log-probabilities kept per position (default 32).")
 @click.option("--imatrix", "imatrix", default=None, metavar="SRC",
@@ -456,7 +460,8 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--json", "as_json", is_flag=True, help="Print the measurement document on stdout.")
 @_guarded
 def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], ladder: Path | None, reference: str | None, text: Path | None,
-                method: str, calibrate: str | None, curve: str | None, unit: str | None, only_layers: str | None, ctx: int | None,
+                method: str, calibrate: str | None, curve: str | None, unit: str | None, only_layers: str | None,
+                sample_layers: int | None, ctx: int | None,
                 top_k: int | None, imatrix: str | None, imatrix_cap: bool | None, refine: int | None, max_size: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
                 force: bool, threads: int | None, gpu_layers: str | None, verbose: bool, as_json: bool) -> None:
     """Measure what each unit buys from each donor, on the model, for mosaic plan: by default from the weight
@@ -469,7 +474,8 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
         raise MosaicError("--merge: name the shards' documents (PART.json ...)")
     if merge:
         res = api.measure(merge=list(parts), out=out, force=force, base=base, donors=list(donors) or None,
-                          reference=reference, text=text, shard=shard, only_layers=only_layers, imatrix=imatrix,
+                          reference=reference, text=text, shard=shard, only_layers=only_layers,
+                          sample_layers=sample_layers, imatrix=imatrix,
                           imatrix_cap=imatrix_cap, refine=refine or 0, max_size=max_size, ladder=ladder)
     else:
         if ladder is None and (base is None or not donors):
@@ -477,7 +483,8 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
         res = api.measure(base=base, donors=list(donors) or None, ladder=ladder, reference=reference, text=text,
                           method=method, calibrate=calibrate,
                           curve=curve,
-                          unit=unit, only_layers=only_layers, ctx=ctx, top_k=top_k, shard=shard, imatrix=imatrix,
+                          unit=unit, only_layers=only_layers, sample_layers=sample_layers, ctx=ctx, top_k=top_k,
+                          shard=shard, imatrix=imatrix,
                           imatrix_cap=imatrix_cap, refine=refine or 0, max_size=max_size, out=out, workdir=workdir,
                           resume=resume, force=force, threads=threads, gpu_layers=gpu_layers, verbose=verbose,
                           progress=_bars(as_json))

@@ -1,0 +1,165 @@
+"""A measurement whose cost does not grow with the depth: under ``--calibrate kinds`` the drops run at a few
+layers spread over it (``--sample-layers``), the versions curve still moving every layer's units; the fit that
+turns those passes into sensitivities recovers known ones, within its standard errors, from a seeded scorer of
+the model's own form; and no pass measures a version no plan can take."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mosaic
+from mosaic._base.errors import MosaicError
+from mosaic._measure import defaults
+from mosaic._measure.calibrate import BASE, kind_alphas, measured_record, unit_key, version_factors
+from mosaic._measure.run import MeasureRequest, _check_request
+from mosaic.testing.gguf import Geometry, imatrix_targets, imatrix_values, write_imatrix, write_llama_gguf
+from mosaic.testing.quantize_tool import write_tool
+from tests.conftest import needs_runtime
+
+#: The sample these tests take (bench/RESULTS.md tried 4 and 6).
+SAMPLE = 4
+
+
+def test_spread_takes_the_middle_of_equal_shares_of_the_depth() -> None:
+    assert defaults.spread(list(range(30)), 4) == [3, 11, 18, 26]
+    assert defaults.spread(list(range(28)), 4) == [3, 10, 17, 24]
+    assert defaults.spread(list(range(60)), 4) == [7, 22, 37, 52]
+    assert defaults.spread([3, 5, 9], 4) == [3, 5, 9]  # no more layers than asked: all of them
+    assert defaults.spread(list(range(7)), 1) == [3]
+
+
+def _req(**kw: object) -> MeasureRequest:
+    return MeasureRequest(**{"base": "b.gguf", "donors": [("q8", "d.gguf")], "reference": "t.gguf", "text": Path("t.txt"),
+                             "imatrix": "m.gguf", "ladder": True, **kw})  # type: ignore[arg-type]
+
+
+def test_every_layer_is_measured_unless_a_sample_is_asked_for() -> None:
+    """No sample held the every-layer default's plans on SmolLM2 (bench/RESULTS.md), so none is a default."""
+    assert defaults.LADDER.sample_layers == defaults.DONORS.sample_layers == 0
+    for req in (_req(), _req(ladder=False), _req(calibrate="units"), _req(only_layers="0-3"), _req(refine=1, max_size=10)):
+        assert defaults.resolved(req).sample_layers == 0
+    assert defaults.resolved(_req(sample_layers=6)).sample_layers == 6
+
+
+@pytest.mark.parametrize(("given", "says"), [
+    ({"sample_layers": 3, "calibrate": "units"}, "goes with --calibrate kinds"),
+    ({"sample_layers": 3, "only_layers": "0-3"}, "give one of them"),
+    ({"sample_layers": 3, "refine": 1, "max_size": 10, "curve": "line"}, "not with --sample-layers"),
+    ({"sample_layers": -1}, "a number of layers"),
+])
+def test_a_sample_that_cannot_be_is_refused_before_anything_opens(given: dict[str, object], says: str) -> None:
+    req = _req(**given)
+    with pytest.raises(MosaicError, match=says):
+        _check_request(defaults.resolved(req), req)
+
+
+# A seeded scorer of the form the fit assumes: a kind's unit at version v costs alpha_kind × factor(kind, v) ×
+# (eps_v − eps_top) nats over the top, every layer alike; each measured figure carries Gaussian noise of a known
+# standard error. The drops go to each unit's worst version, where the factor is 1 by construction.
+KINDS = {"attn_q": 0.8, "attn_k": 0.3, "attn_v": 2.5, "attn_output": 1.2, "ffn_up": 0.9, "ffn_gate": 0.7, "ffn_down": 3.0}
+VERSIONS = {"IQ2_XS": 1.0, "Q3_K": 1.6, "Q4_K": 0.7}  # the factor at each; IQ2_XS is the worst (the drops' end)
+EPS = {"IQ2_XS": 0.20, "Q3_K": 0.05, "Q4_K": 0.012}  # a kind's typical weight error at each version; the top's is 0.002
+
+
+def _scored(seed: int, layers: int, sample: list[int], noise: float) -> tuple[list[dict], list[dict], list[dict]]:
+    rng = np.random.default_rng(seed)
+    rows, measured, pooled = [], [], []
+    eps: dict[tuple[str, str], float] = {}
+    for layer in range(layers):
+        for group in KINDS:
+            key = unit_key(layer, group)
+            scale = float(rng.lognormal(0.0, 0.3))  # units differ in their weight errors, not in the kind's alpha
+            for v, e in EPS.items():
+                eps[(key, v)] = e * scale
+            eps[(key, BASE)] = EPS["IQ2_XS"] * scale  # the base's version is the worst
+            eps[(key, "top")] = 0.002 * scale
+            for v in VERSIONS:
+                rows.append({"layer": layer, "group": group, "donor": v, "eps": eps[(key, v)], "eps_base": eps[(key, BASE)]})
+            rows.append({"layer": layer, "group": group, "donor": "top", "eps": eps[(key, "top")], "eps_base": eps[(key, BASE)]})
+    for layer in sample:
+        for group, alpha in KINDS.items():
+            key = unit_key(layer, group)
+            span = eps[(key, "IQ2_XS")] - eps[(key, "top")]
+            true = alpha * span
+            se = noise * true
+            measured.append(measured_record(layer, group, 1.0 + true + float(rng.normal(0.0, se)), 0.5, 2.0, 1.0, se,
+                                            eps[(key, BASE)], eps[(key, "top")], to="IQ2_XS", eps_to=eps[(key, "IQ2_XS")]))
+    for group, alpha in KINDS.items():
+        for v, factor in VERSIONS.items():
+            keys = [unit_key(layer, group) for layer in range(layers)]
+            true = sum(alpha * factor * (eps[(k, v)] - eps[(k, "top")]) for k in keys)
+            se = noise * true / math.sqrt(layers)  # every layer's units moved together: the rise stands out of the noise
+            pooled.append({"kind": group, "to": v, "units": keys, "kl": 1.0 + true, "top1": 0.5, "nll": 2.0,
+                           "dkl": true + float(rng.normal(0.0, se)), "dkl_se": se})
+    return rows, measured, pooled
+
+
+@pytest.mark.parametrize("layers", [30, 60])
+def test_the_fit_from_a_sample_of_layers_recovers_known_sensitivities_within_its_standard_errors(layers: int) -> None:
+    """Over many seeded scorers, each kind's alpha lands within one of its standard errors about two times in
+    three and within three nearly always, as a standard error promises; so does each version's factor, whose
+    error adds the alpha's (the factor is a ratio to the line the alpha draws; the document's ``ratio_se`` is
+    the pooled pass's alone, and ``credible`` keeps a factor within two of those)."""
+    sample = defaults.spread(list(range(layers)), SAMPLE)
+    z_alpha, z_factor = [], []
+    for seed in range(120):
+        rows, measured, pooled = _scored(seed, layers, sample, noise=0.1)
+        alphas = kind_alphas(measured)
+        assert {k: n for k, (_, n) in alphas.items()} == {k: len(sample) for k in KINDS}
+        for k, (a, _) in alphas.items():
+            z_alpha.append((a.value - KINDS[k]) / a.se)
+        for p in version_factors(pooled, measured, rows, "kinds"):
+            a = alphas[p["kind"]][0]
+            se = math.hypot(p["ratio_se"], p["ratio"] * a.se / a.value)
+            z_factor.append((p["ratio"] - VERSIONS[p["to"]]) / se)
+    for z in (np.array(z_alpha), np.array(z_factor)):
+        assert 0.58 <= np.mean(np.abs(z) <= 1) <= 0.78, np.mean(np.abs(z) <= 1)
+        assert np.mean(np.abs(z) <= 2) >= 0.92
+        assert np.mean(np.abs(z) <= 3) >= 0.99
+        assert abs(np.mean(z)) < 0.15  # no bias beyond the noise
+
+
+def test_a_scorer_the_fit_does_not_assume_is_not_recovered() -> None:
+    """The check above can fail: where the alpha grows with the depth, the sample's pooled alpha is no longer the
+    kind's at every layer, and the shallow layers' alpha lies far outside its standard errors."""
+    layers, sample = 30, defaults.spread(list(range(30)), SAMPLE)
+    _, measured, _ = _scored(0, layers, sample, noise=0.05)
+    for m in measured:  # the drops of deep layers ten times those of layer 0
+        grow = 1 + 9 * m["layer"] / (layers - 1)
+        m["dkl_drop"] *= grow
+        m["dkl_drop_se"] *= grow
+    a, _ = kind_alphas(measured)["ffn_down"]
+    assert abs(a.value - KINDS["ffn_down"]) / a.se > 3
+
+
+def _model(tmp: Path, layers: int) -> dict[str, Path]:
+    geo = Geometry(n_layer=layers)  # narrow: the count of passes is the point, not their cost
+    src = write_llama_gguf(tmp / "F16.gguf", qtype="F16", seed=11, geometry=geo)[0]
+    imatrix = write_imatrix(tmp / "imatrix.gguf", imatrix_values(imatrix_targets(geo), seed=4))
+    mosaic.ladder(src, out=tmp / "rungs", types="Q4_0,Q8_0", imatrix=imatrix, llama_quantize=write_tool(tmp / "llama-quantize"))
+    rows = tmp / "rows.txt"
+    rows.write_text("the model of a mosaic\nbytes and the bytes of a model\n")
+    return {"source": src, "imatrix": imatrix, "rungs": tmp / "rungs", "rows": rows}
+
+
+def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_30(tmp_path: Path) -> None:
+    needs_runtime()
+    docs = {}
+    for layers in (30, 60):
+        m = _model(tmp_path / str(layers), layers)
+        docs[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
+                                      ctx=16, unit="module-group", sample_layers=SAMPLE, out=tmp_path / f"{layers}.json").document
+    for layers, doc in docs.items():
+        want = defaults.spread(list(range(layers)), SAMPLE)
+        assert doc["settings"]["sampled_layers"] == want
+        assert {m["layer"] for m in doc["measured"]} - {None} == set(want)
+        assert {p["kind"] for p in doc["pooled"]} and all(  # the pooled passes move every layer's units
+            len({u.split("/")[0] for u in p["units"]}) == layers for p in doc["pooled"] if p["kind"] not in ("token_embd", "output"))
+        assert len({(r["layer"], r["group"]) for r in doc["results"]}) > len(doc["measured"])  # every unit is priced
+    assert docs[30]["forward_passes"] == docs[60]["forward_passes"]
+    assert docs[30]["timing"]["stages"]["drop"]["passes"] == docs[60]["timing"]["stages"]["drop"]["passes"]
+
