@@ -163,3 +163,25 @@ def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_3
     assert docs[30]["forward_passes"] == docs[60]["forward_passes"]
     assert docs[30]["timing"]["stages"]["drop"]["passes"] == docs[60]["timing"]["stages"]["drop"]["passes"]
 
+
+def test_no_pooled_pass_runs_for_a_version_no_plan_can_take(tmp_path: Path) -> None:
+    """Over a ladder made from a Q4_0 model, its Q4_0 rung is the source's own bytes: no weight error, and fewer
+    bytes than the Q8_0 rung. No plan takes Q8_0 then, and no forward pass measures it; the smaller rung is."""
+    needs_runtime()
+    from tests.test_ladder import WIDE
+
+    src = write_llama_gguf(tmp_path / "Q4_0.gguf", qtype="Q4_0", seed=11, geometry=WIDE)[0]
+    imatrix = write_imatrix(tmp_path / "imatrix.gguf", imatrix_values(imatrix_targets(WIDE), seed=4))
+    mosaic.ladder(src, out=tmp_path / "rungs", types="Q2_K,Q4_0,Q8_0", imatrix=imatrix,
+                  llama_quantize=write_tool(tmp_path / "llama-quantize"))
+    rows = tmp_path / "rows.txt"
+    rows.write_text("the model of a mosaic\nbytes and the bytes of a model\n")
+    doc = mosaic.measure(ladder=tmp_path / "rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,
+                         unit="module-group", out=tmp_path / "m.json").document
+    tops = set(doc["top"]["versions"].values())
+    assert tops == {"q4_0"}  # the source's own bytes, lossless, at every unit
+    assert {p["to"] for p in doc["pooled"]} == {"base"}  # Q2_K measured; Q8_0 (more bytes than the top) not
+    assert doc["timing"]["stages"]["pooled"]["passes"] == len(doc["pooled"])
+    q8 = [r for r in doc["results"] if r["donor"] == "q8_0"]
+    assert q8 and all(r["dkl"] > -1e-12 + min(x["dkl"] for x in doc["results"] if x["donor"] == "q4_0"
+                                               and (x["layer"], x["group"]) == (r["layer"], r["group"])) for r in q8)

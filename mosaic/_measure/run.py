@@ -419,7 +419,10 @@ def _pooled(side: Side, measured_units: list[int], top: list[str], to: list[str]
     with every one of them that has that version (and is not at it already) moved there together. A kind's
     units summed at a version rise out of the noise where one unit's drop does not, and they measure the one
     thing a unit's line assumes and never checks: that a version costs what its weight error says, whatever
-    its type. A kind of one unit at its worst version is that unit's drop, already measured: not run again."""
+    its type. A kind of one unit at its worst version is that unit's drop, already measured: not run again.
+    Nor is a version with no fewer bytes than the top's for every unit it would move: the top has the least
+    weight error and the least loss, so no plan takes such a version and nothing it measured would reach a plan
+    (over a ladder made from a quantization, the rungs above the source's own lossless types)."""
     kinds: dict[str, list[int]] = {}
     for ui in measured_units:
         kinds.setdefault(kind_of(side.units[ui].group), []).append(ui)
@@ -427,7 +430,9 @@ def _pooled(side: Side, measured_units: list[int], top: list[str], to: list[str]
     for k, uis in sorted(kinds.items()):
         for v in sorted({v for ui in uis for v in side.versions[ui]}, key=lambda v: (v != BASE, v)):
             moved = [ui for ui in uis if v in side.versions[ui] and top[ui] != v]
-            if moved and not (len(uis) == 1 and to[uis[0]] == v):
+            if not any(side.dbytes[(ui, v)] < side.dbytes[(ui, top[ui])] for ui in moved):
+                continue
+            if not (len(uis) == 1 and to[uis[0]] == v):
                 out.append((k, v, moved))
     return out
 
