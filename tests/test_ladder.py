@@ -57,6 +57,7 @@ def test_every_rung_is_what_llama_cpp_writes_tensor_by_tensor(made: dict[str, Pa
     for r in doc["rungs"]:
         path = made["rungs"] / r["file"]
         assert path.stat().st_size == r["bytes"] and r["id"] == r["type"].lower() and r["fallbacks"] == {}
+        assert r["seconds"] > 0  # the tool's time for this type: the ladder's cost, per type
         rung = _tensors(path)
         assert set(rung) == set(src)
         for name, t in rung.items():
@@ -135,8 +136,10 @@ def test_a_rung_made_of_the_same_inputs_is_kept_and_a_changed_one_made_again(mad
     counting.write_text(f"#!/bin/sh\necho x >> {log}\nexec {made['tool']} \"$@\"\n")
     counting.chmod(0o755)
     # another tool file is another tool: first, the same tool kept every rung
+    first = json.loads((out / "ladder.json").read_text())["rungs"]
     res = mosaic.ladder(made["src"], out=out, types=TYPES, llama_quantize=made["tool"])
     assert {p.name: p.stat().st_ino for p in out.glob("*.gguf")} == before and not res.notes
+    assert res.rungs == first  # a kept rung keeps its record, the time it took to make included
     # a rung whose bytes changed is made again, the others kept
     victim = out / "wide-F16-Q5_0.gguf"
     data = bytearray(victim.read_bytes())

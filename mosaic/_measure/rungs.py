@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -297,6 +298,7 @@ def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem
                         imatrix_name=None if imatrix_rec is None else imatrix_rec["file"],
                         planned=planned_types(_quantizable(source), rung_type, uncovered), requantize=requantize)
     try:
+        t0 = time.monotonic()
         try:
             proc = subprocess.run(argv, cwd=out, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -305,6 +307,7 @@ def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem
         if proc.returncode != 0 or not (out / tmp).is_file():
             why = f"exit {proc.returncode}" if proc.returncode >= 0 else f"signal {-proc.returncode}"
             raise MosaicError(f"llama-quantize failed making the {rung_type} rung ({why}): {_last_line(proc.stdout)}")
+        seconds = round(time.monotonic() - t0, 3)
         fallbacks = _read_back(out / tmp, source, rung_type)
         d = digest_file(out / tmp)
         os.replace(out / tmp, out / final)
@@ -313,5 +316,5 @@ def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem
             (out / tmp).unlink()
     version = next((m.group(1).strip() for ln in proc.stdout.splitlines() if (m := _BUILD_RE.search(ln))), "")
     rec = {"type": rung_type, "id": rung_type.lower(), "file": final, "sha256": d.sha256, "bytes": d.size,
-           "command": argv, "fallbacks": fallbacks}
+           "command": argv, "fallbacks": fallbacks, "seconds": seconds}
     return rec, version
