@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mosaic._base.errors import MosaicError
 from mosaic._base.hashing import digest_file, scratch
 from mosaic._checkpoint.gguf_model import GGUFModel, GGUFTensor
 from mosaic._formats.gguf_container import layout, read_gguf
@@ -48,12 +49,13 @@ class Cut:
     rows: dict[str, list[list[int]]]
 
 
-def sample_rows(name: str, rows: int, width: int, slices: int = 1, seed: int = SEED) -> list[list[int]]:
+def sample_rows(name: str, rows: int, width: int, slices: int = 1, seed: int = SEED, *,
+                elements: int = SAMPLE_ELEMENTS, min_rows: int = MIN_ROWS) -> list[list[int]]:
     """The rows a sample keeps of each ``slices`` slice (an expert's rows) of a tensor of ``rows`` rows of
-    ``width`` elements: all of them where the tensor is small, else ``max(MIN_ROWS, SAMPLE_ELEMENTS / (width ×
+    ``width`` elements: all of them where the tensor is small, else ``max(min_rows, elements / (width ×
     slices))`` drawn without replacement, sorted; the draw is seeded by the tensor's name, so it is the same on
     every machine."""
-    want = max(MIN_ROWS, math.ceil(SAMPLE_ELEMENTS / (width * slices)))
+    want = max(min_rows, math.ceil(elements / (width * slices)))
     if rows <= want:
         return [list(range(rows)) for _ in range(slices)]
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
@@ -102,7 +104,8 @@ def _write(path: Path, source: GGUFModel, pieces: list[tuple[GGUFTensor, tuple[i
     return Cut(path, digest, lay.size, {})
 
 
-def write_sample(source: GGUFModel, path: Path, seed: int = SEED) -> Cut:
+def write_sample(source: GGUFModel, path: Path, seed: int = SEED, *, elements: int = SAMPLE_ELEMENTS,
+                 min_rows: int = MIN_ROWS) -> Cut:
     """``source`` with every weight cut to :func:`sample_rows` of its rows (every expert's slice alike in count,
     each drawn apart), every other tensor whole."""
     pieces = []
@@ -113,7 +116,7 @@ def write_sample(source: GGUFModel, path: Path, seed: int = SEED) -> Cut:
             continue
         rows, slices = t.ne[1], math.prod(t.ne[2:])
         row_bytes = t.nbytes // (rows * slices)
-        keep = sample_rows(t.name, rows, t.ne[0], slices, seed)
+        keep = sample_rows(t.name, rows, t.ne[0], slices, seed, elements=elements, min_rows=min_rows)
         rows_kept[t.name] = keep
         ranges = [(t.start + (s * rows + r) * row_bytes, row_bytes) for s, rs in enumerate(keep) for r in rs]
         pieces.append((t, (t.ne[0], len(keep[0]), *t.ne[2:]), _merge(ranges)))
@@ -127,7 +130,7 @@ def write_subset(source: GGUFModel, path: Path, names: Iterable[str]) -> Cut:
     pieces = [(t, t.ne, [(t.start, t.nbytes)]) for t in source.tensors if t.name in want]
     missing = want - {t.name for t, _, _ in pieces}
     if missing:
-        raise ValueError(f"{source.describe()} has no tensor {sorted(missing)[0]!r}")
+        raise MosaicError(f"{source.describe()} has no tensor {sorted(missing)[0]!r}")
     return _write(path, source, pieces)
 
 
