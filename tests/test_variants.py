@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import mosaic
+from mosaic._measure.defaults import spread
 from mosaic._measure.variants import derive
 from mosaic._plan.measurement import validation_errors
 from mosaic.testing.gguf import imatrix_targets, imatrix_values, write_imatrix
@@ -96,9 +97,11 @@ def test_without_the_ceiling_the_weight_errors_are_the_raw_weightings(models: di
 def test_kinds_from_a_sample_of_layers_is_that_samples_own_measurement(models: dict[str, Path], source: dict,
                                                                        tmp_path: Path) -> None:
     real = _measure(models, tmp_path / "real.json", imatrix_cap=True, calibrate="kinds", curve="versions", sample_layers=1)
-    got = derive(source, calibrate="kinds", curve="versions", layers=[1])
+    one = real["settings"]["sampled_layers"]
+    assert one == spread([0, 1], 1)  # the middle of the one share: of two layers, the first
+    got = derive(source, calibrate="kinds", curve="versions", layers=one)
     assert validation_errors(got) == []
-    assert got["settings"] == real["settings"] and got["settings"]["sampled_layers"] == [1]
+    assert got["settings"] == real["settings"]
     assert got["settings"]["layers"] is None  # the plans price every layer's units
     assert got["pooled"] == real["pooled"]  # every layer's units moved together, as the sample measures them
     assert got["forward_passes"] == real["forward_passes"] < source["forward_passes"]

@@ -348,6 +348,9 @@ def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Pat
     """The ladder, the measurement(s), every plan at every budget, built and scored two at a time."""
     _timed(costs, "mosaic ladder", [*MOSAIC, "ladder", str(teacher), "--out", str(ladder_dir), "--imatrix", str(model.imatrix),
                                     "--types", model.types, "--llama-quantize", str(_tool("llama-quantize"))], env=env)
+    for r in json.loads((ladder_dir / "ladder.json").read_text())["rungs"]:
+        if "seconds" in r:  # a rung kept from an earlier run keeps its own time
+            costs[f"rung {r['type']}"] = r["seconds"]
     saved = work / "teacher.npz"
     if not (resume and saved.is_file()):
         _timed(costs, "the teacher's top-k on the measured rows", [*MOSAIC, "eval", "--reference", str(teacher), "--text", str(rows),
@@ -498,6 +501,7 @@ def _report(case: str, model: Model, budgets: dict[str, int], plans: dict[str, d
         row(case, f"cost: measure, {run}" + (" (one measurement: every variant reads its passes)" if run == "variants" else ""),
             f"{costs[f'measure: {run}']:.0f} s", "/".join(map(str, passes)) + " forward passes"
             + (f" (load {t.get('load', 0):.0f} s, decode {t.get('decode', 0):.0f} s, panel {t.get('panel', 0):.0f} s)" if t else ""))
+    _cost_rows(case, plans, costs)
     for key in ("mosaic ladder", "the teacher's top-k on the measured rows", "measure: the raw weighting's weight errors",
                 "target-size, cold", "target-size, warm", "plans", "builds", "evals"):
         if key in costs:
@@ -505,6 +509,72 @@ def _report(case: str, model: Model, budgets: dict[str, int], plans: dict[str, d
     for key in sorted(k for k in costs if k.startswith("llama-quantize")):
         row(case, f"cost: {key}", f"{costs[key]:.0f} s", "")
     row(case, "the whole run", f"{wall / 3600:.2f} h", f"disk peak {peak / 1e9:.1f} GB (every file the case held at once)")
+    _depth_rows(case)
+
+
+def _cost_rows(case: str, plans: dict[str, dict], costs: dict[str, float]) -> None:
+    """Where the time goes: llama-quantize per rung (share of the ladder), the default measurement's passes and
+    seconds per stage, and the goal of source to file: one size (ladder, teacher, measurement, a plan, a build)
+    against 3 × target-size cold, each further size (a plan, a build) against 1 × target-size warm."""
+    rungs = sorted(((k.removeprefix("rung "), v) for k, v in costs.items() if k.startswith("rung ")), key=lambda kv: -kv[1])
+    if rungs:
+        total = sum(v for _, v in rungs)
+        row(case, "cost: llama-quantize per rung (the ladder)", f"{total:.0f} s",
+            ", ".join(f"{t} {v:.0f} s ({v / total:.0%})" for t, v in rungs))
+    default = [p for p in plans.values() if p["run"] == "the default"]
+    stages = ((default[0]["timing"] or {}).get("stages") or {}) if default else {}
+    if stages:
+        row(case, "cost: the default measurement, per stage", f"{sum(s['passes'] for s in stages.values())} passes",
+            ", ".join(f"{k} {s['passes']} passes {s['seconds']:.0f} s" for k, s in stages.items() if s["passes"]))
+    n = len(plans)
+    if not (default and n and "target-size, cold" in costs and "builds" in costs and "measure: the default" in costs):
+        return
+    plan, build = costs["plans"] / n, costs["builds"] / n
+    first = (costs.get("mosaic ladder", 0.0) + costs.get("the teacher's top-k on the measured rows", 0.0)
+             + costs["measure: the default"] + plan + build)
+    cold, warm = costs["target-size, cold"], costs.get("target-size, warm")
+    row(case, "cost: source to file, one size (ladder, teacher, measurement, plan, build)", f"{first:.0f} s",
+        f"{first / cold:.1f} × target-size cold ({cold:.0f} s); goal ≤ 3 ×: {'met' if first <= 3 * cold else 'missed'}")
+    if warm:
+        row(case, "cost: each further size (a plan and its build)", f"{plan + build:.0f} s",
+            f"{(plan + build) / warm:.2f} × target-size warm ({warm:.0f} s); goal ≤ 1 ×: "
+            f"{'met' if plan + build <= warm else 'missed'}")
+
+
+def depth_passes(layers: tuple[int, ...] = (30, 60), sample: int = 4) -> dict[tuple[int, int], int]:
+    """Forward passes of a measurement over a ladder of a synthetic model of SmolLM2's kinds at each depth of
+    ``layers``: ``--sample-layers sample`` at every depth, the default (every layer's drops, ``sample`` 0) at the
+    first only (its 60-layer run is half an hour of model loads on two cores, and its drops are one per unit by
+    construction). The count, not the time (llama.cpp's own quantizer behind the suite's stand-in tool)."""
+    import tempfile
+
+    import mosaic
+    from mosaic.testing.gguf import Geometry, imatrix_targets, imatrix_values, write_imatrix, write_llama_gguf
+    from mosaic.testing.quantize_tool import write_tool
+
+    out: dict[tuple[int, int], int] = {}
+    with tempfile.TemporaryDirectory(dir=DATA) as tmp:
+        d = Path(tmp)
+        rows = d / "rows.txt"
+        rows.write_text("the model of a mosaic\nbytes and the bytes of a model\n")
+        for n in layers:
+            geo = Geometry(n_layer=n)
+            src = write_llama_gguf(d / f"{n}-F16.gguf", qtype="F16", seed=11, geometry=geo)[0]
+            imatrix = write_imatrix(d / f"{n}-imatrix.gguf", imatrix_values(imatrix_targets(geo), seed=4))
+            mosaic.ladder(src, out=d / f"{n}-rungs", types="Q4_0,Q8_0", imatrix=imatrix, llama_quantize=write_tool(d / "q"))
+            for k in ((0, sample) if n == layers[0] else (sample,)):
+                doc = mosaic.measure(ladder=d / f"{n}-rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,
+                                     unit="module-group", sample_layers=k, out=d / f"{n}-{k}.json").document
+                out[(n, k)] = int(doc["forward_passes"])
+    return out
+
+
+def _depth_rows(case: str) -> None:
+    got = depth_passes()
+    row(case, "forward passes at 30 and 60 layers: --sample-layers 4", f"{got[(30, 4)]} / {got[(60, 4)]}",
+        "the same" if got[(30, 4)] == got[(60, 4)] else f"grows {got[(60, 4)] / got[(30, 4)]:.2f} × with twice the layers")
+    row(case, "forward passes at 30 layers: the default (every layer's drops)", f"{got[(30, 0)]}",
+        "one drop per unit: 7 more with every layer")
 
 
 def _bootstrap(model: dict, labels: list[str], sizes: tuple[str, ...], n: int = 2000) -> np.ndarray:
