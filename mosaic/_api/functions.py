@@ -643,7 +643,7 @@ def measure(
     chosen by held-out KL on two models), each yielding to a flag given that it cannot go with.
     ``unit``: ``layer``, ``layer-experts`` or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list.
     ``sample_layers`` (``calibrate="kinds"``): the drops run at this many layers spread over the depth, the
-    versions curve still moving every layer's units (0: every layer; None: the default, a few over a ladder).
+    versions curve still moving every layer's units (0 or None, the default: every layer).
     ``imatrix``: an importance matrix (llama-imatrix's GGUF or legacy ``.dat``, a file or a pinned hub file
     ``"ORG/NAME@COMMIT:FILE"``) that weights every weight error by each input channel's importance (GGUF bases);
     ``imatrix_cap``: those importances held under a robust ceiling first (a row's median × e^(3.5 robust standard

@@ -228,7 +228,8 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
     side = gguf_side(req, progress) if gguf else exl3_side(req, progress)
     importance = (load_importance(req.imatrix, side.tensors, progress, CAP if req.imatrix_cap else None)
                   if req.imatrix is not None else None)
-    measured_units = _measured_units(req, side)
+    sample = sampled_layers(req, side)
+    measured_units = _measured_units(req, side, sample)
 
     reference: dict | None = None
     ctx = k = None
@@ -276,7 +277,6 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
             raise MosaicError(f"--max-size {req.max_size:,} bytes: smaller than any plan (every unit at its version of "
                               f"fewest bytes is {smallest:,} bytes)")
         settings["refine"] = {"rounds": req.refine, "max_size": req.max_size}
-    sample = sampled_layers(req, side)
     if sample is not None:
         settings["sampled_layers"] = sample
     pooled_units = list(range(len(side.units))) if sample is not None else measured_units
@@ -350,12 +350,11 @@ def sampled_layers(req: MeasureRequest, side: Side) -> list[int] | None:
     return spread(every, req.sample_layers)
 
 
-def _measured_units(req: MeasureRequest, side: Side) -> list[int]:
-    """The units whose candidates run: the selected ones (of ``--sample-layers``' layers where it is given);
+def _measured_units(req: MeasureRequest, side: Side, sample: list[int] | None) -> list[int]:
+    """The units whose candidates run: the selected ones (of ``sample``'s layers, :func:`sampled_layers`);
     under ``--calibrate kinds`` also the units outside the layers (``token_embd``, ``output``: kinds of their
     own). Every kind of the model must be among them."""
     units = list(side.selected)
-    sample = sampled_layers(req, side)
     if sample is not None:
         units = [i for i in units if side.units[i].layer in sample]
     if req.calibrate == "kinds":
