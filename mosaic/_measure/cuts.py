@@ -68,20 +68,26 @@ def sampled(t: GGUFTensor) -> bool:
     return len(t.ne) >= 2 and t.name.endswith(".weight")
 
 
-def _write(path: Path, source: GGUFModel, pieces: list[tuple[GGUFTensor, tuple[int, ...], list[tuple[int, int]]]]) -> Cut:
+def write_pieces(path: Path, meta: GGUFModel, tensors: list[tuple[GGUFModel, GGUFTensor]]) -> Cut:
+    """A GGUF of ``meta``'s metadata and ``tensors``, each (the model it lies in, the tensor) copied whole."""
+    return _write(path, meta, [(t, t.ne, [(t.start, t.nbytes)], m) for m, t in tensors])
+
+
+def _write(path: Path, source: GGUFModel, pieces: list[tuple]) -> Cut:
     """A GGUF of ``source``'s metadata and ``pieces`` (tensor, its shape in the cut, the (start, length) byte
-    ranges of the source that make its data, in order), written under a temporary name and renamed."""
+    ranges that make its data, in order, and optionally the model they lie in, ``source`` by default), written
+    under a temporary name and renamed."""
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     lay = layout(list(source.metadata.values()),
-                 [(t.name, ne, t.type_id, sum(n for _, n in ranges)) for t, ne, ranges in pieces], source.alignment)
+                 [(p[0].name, p[1], p[0].type_id, sum(n for _, n in p[2])) for p in pieces], source.alignment)
     buf = scratch("copy")[0]
     fds: dict[Path, int] = {}
     try:
         dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             os.pwrite(dst, lay.header, 0)
-            for (t, _, ranges), info in zip(pieces, lay.tensors):
-                src = source.path(t.file)
+            for (t, _, ranges, *where), info in zip(pieces, lay.tensors):
+                src = (where[0] if where else source).path(t.file)
                 if src not in fds:
                     fds[src] = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 at = lay.data_start + info.offset

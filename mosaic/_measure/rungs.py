@@ -1,5 +1,6 @@
 """``mosaic ladder``: the donors made from the model's own source by llama.cpp's ``llama-quantize``, one GGUF per
-ggml type with every quantizable tensor at that type (``--pure``: the embedding and the output too).
+ggml type with every quantizable tensor at that type (``--pure``: the embedding and the output too) where it
+has fewer bytes there than in the source.
 
 A ladder widens what a plan can choose: every tensor at every type, not only the mixes people publish, and
 rungs below the base as well as above it. Each rung is what the tool writes, never re-made by mosaic: the tool
@@ -8,8 +9,15 @@ tensors as the source, each at the rung's type or at llama.cpp's fallback, which
 and only then renamed into place. The importance matrix is handed to the tool under a name fixed by its SHA-256
 (the tool writes that name into every rung), so equal inputs give equal bytes anywhere. A tensor the matrix does
 not cover (the embedding: llama-imatrix never sees it) at a type that needs one would abort the tool; it gets
-the nearest type that needs none instead. Resumable: a rung in the manifest whose file still has its SHA-256,
-made from the same source, matrix and tool, is kept.
+the nearest type that needs none instead.
+
+A tensor at a type of no fewer bytes than its own in the source is never worth taking: its source bytes have less
+error for fewer bytes. Made at such a type it would only cost the tool's time and the disk's bytes, and measured
+it would stand for the type where no plan takes it. So each rung keeps such a tensor at its source type (named by
+``--tensor-type``, which the tool honours by copying the tensor as it is: the rung then holds the source's bytes,
+checked on read-back), and a rung in which no tensor takes the rung's type is not made at all. On a Q4_K_M
+source that leaves out Q8_0 and makes Q4_0 … Q6_K only for the Q6_K tensors. Resumable: a rung in the manifest
+whose file still has its SHA-256, made from the same source, matrix and tool by the same command, is kept.
 """
 
 from __future__ import annotations
@@ -114,10 +122,19 @@ def _block(type_name_: str) -> int:
     return next(bs for name, bs, _ in quant_types().values() if name == type_name_)
 
 
-def planned_types(rows: dict[str, int], rung_type: str, uncovered: set[str]) -> dict[str, str]:
+def _bytes_per_weight(type_name_: str) -> float:
+    from mosaic._formats.gguf_container import PLAIN_TYPES, quant_types
+
+    _, bs, ts = next(v for v in (*PLAIN_TYPES.values(), *quant_types().values()) if v[0] == type_name_)
+    return ts / bs
+
+
+def planned_types(rows: dict[str, int], rung_type: str, uncovered: set[str],
+                  source: dict[str, str] | None = None) -> dict[str, str]:
     """Each quantizable tensor's type in the rung (``rows``: name → row width, ggml ``ne[0]``): the rung's type;
     a tensor the importance matrix does not cover, at a type that needs one, the nearest type that needs none;
-    then llama.cpp's fallback where the type's blocks do not divide the rows."""
+    then llama.cpp's fallback where the type's blocks do not divide the rows; and where that type has no fewer
+    bytes than the tensor's own in the source (``source``: name → type), the source's type: a copy."""
     out = {}
     for name, width in rows.items():
         t = NEEDS_IMATRIX[rung_type] if rung_type in NEEDS_IMATRIX and name in uncovered else rung_type
@@ -125,8 +142,37 @@ def planned_types(rows: dict[str, int], rung_type: str, uncovered: set[str]) -> 
             t = FALLBACK.get(t, "F16")
             if t != "F16" and width % _block(t):
                 t = "F16"
+        own = (source or {}).get(name)
+        if own is not None and _bytes_per_weight(t) >= _bytes_per_weight(own):
+            t = own
         out[name] = t
     return out
+
+
+def _unmade(types: list[str], planned: dict[str, dict[str, str]], own: dict[str, str]) -> list[str]:
+    """The types not worth a rung: every tensor keeps its source bytes there, and each tensor's source bytes
+    (its lossless version, the top a plan may keep) lie in some rung made anyway; where they lie in none, the
+    rung of such types that holds most of them is made too."""
+    made = [t for t in types if t in planned[t].values()]
+
+    def copies(t: str, names: set[str]) -> set[str]:
+        return {n for n in names if planned[t][n] == own[n]}
+
+    missing = {n for n in own if not any(planned[t][n] == own[n] for t in made)}
+    while missing:
+        holds = {t: copies(t, missing) for t in types if t not in made}
+        best = max(holds, key=lambda t: len(holds[t]), default=None)
+        if best is None or not holds[best]:
+            break  # no type asked for can hold them: the source's own type is not among --types
+        made.append(best)
+        missing -= holds[best]
+    return [t for t in types if t not in made]
+
+
+def same_command(a: list[str], b: list[str]) -> bool:
+    """Do two rung commands make the same bytes? Everything but the tool's and the source's paths (both
+    compared by SHA-256), the temporary output name and the thread count."""
+    return len(a) == len(b) and a[1:-4] == b[1:-4] and a[-2] == b[-2]
 
 
 def rung_command(tool: Path, source: Path, tmp_name: str, rung_type: str, threads: int, *,
@@ -144,10 +190,10 @@ def rung_command(tool: Path, source: Path, tmp_name: str, rung_type: str, thread
         argv += ["--imatrix", imatrix_name]
     if requantize:
         argv.append("--allow-requantize")
-    if "token_embd.weight" in odd:
-        argv += ["--token-embedding-type", odd["token_embd.weight"].lower()]
-    if "output.weight" in odd:
-        argv += ["--output-tensor-type", odd["output.weight"].lower()]
+    # under --pure only an odd type needs saying; otherwise llama.cpp's own mix would choose these two
+    for name, flag in (("token_embd.weight", "--token-embedding-type"), ("output.weight", "--output-tensor-type")):
+        if name in odd or (not pure and name in planned):
+            argv += [flag, planned[name].lower()]
     if not pure:
         for name, t in planned.items():
             if name not in ("token_embd.weight", "output.weight"):
@@ -160,14 +206,19 @@ def _quantizable(model: GGUFModel) -> dict[str, int]:
     return {t.name: t.ne[0] for t in model.tensors if len(t.ne) >= 2 and t.name.endswith(".weight")}
 
 
+def _source_types(model: GGUFModel) -> dict[str, str]:
+    return {t.name: type_name(t.type_id) for t in model.tensors if len(t.ne) >= 2 and t.name.endswith(".weight")}
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[-1] if lines else "(it printed nothing)"
 
 
-def _read_back(path: Path, source: GGUFModel, rung_type: str) -> dict[str, str]:
+def _read_back(path: Path, source: GGUFModel, rung_type: str, copies: set[str] = frozenset()) -> dict[str, str]:  # type: ignore[assignment]
     """The rung as the strict reader sees it: the source's tensors, each at the rung's type, F32, or a
-    fallback (returned, by name); anything else is refused."""
+    fallback (returned, by name), and each of ``copies`` the source's own type and bytes; anything else is
+    refused."""
     from mosaic._formats.gguf_container import GGUFError, read_gguf
 
     try:
@@ -184,11 +235,29 @@ def _read_back(path: Path, source: GGUFModel, rung_type: str) -> dict[str, str]:
         which = f"lacks {missing[0]}" if missing else f"holds {extra[0]} unlike the source"
         raise MosaicError(f"the {rung_type} rung llama-quantize wrote is not the source's model: it {which}")
     fallbacks = {}
+    src = source.by_name()
     for t in rung.tensors:
         name = type_name(t.type_id)
         if name not in (rung_type, "F32"):
             fallbacks[t.name] = name
+        if t.name in copies:
+            s = src[t.name]
+            if t.type_id != s.type_id or not _same_bytes(path, rung.data_start + t.offset, source.path(s.file), s.start, s.nbytes):
+                raise MosaicError(f"the {rung_type} rung llama-quantize wrote changed {t.name}, which it was told to keep "
+                                  f"at the source's {type_name(s.type_id)}: it is {name}, not the source's bytes")
     return fallbacks
+
+
+def _same_bytes(a: Path, at_a: int, b: Path, at_b: int, n: int, step: int = 1 << 22) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        fa.seek(at_a)
+        fb.seek(at_b)
+        while n > 0:
+            k = min(step, n)
+            if fa.read(k) != fb.read(k):
+                return False
+            n -= k
+    return True
 
 
 def _write_manifest(folder: Path, doc: dict) -> None:
@@ -258,9 +327,24 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
         old = _old_manifest(out)
         same_inputs = (old is not None and old["source"]["sha256"] == source_rec["sha256"]
                        and old["imatrix"] == imatrix_rec and old["tool"]["sha256"] == tool_sha)
+        quantizable, own = _quantizable(source), _source_types(source)
+        planned = {t: planned_types(quantizable, t, uncovered, own) for t in types}
+        unmade = _unmade(types, planned, own)
+        if unmade:
+            req.notes.append(f"{', '.join(unmade)}: not made: no tensor of the source has fewer bytes at "
+                             f"{'that type' if len(unmade) == 1 else 'those types'} than at its own")
         kept: dict[str, dict] = {}
         if old is not None and same_inputs:
-            kept = {r["type"]: r for r in old["rungs"] if rung_intact(out, r)}
+            def now(t: str) -> list[str]:
+                return rung_command(tool, source_path.resolve(), "", t, threads, planned=planned[t], requantize=requantize,
+                                    imatrix_name=None if imatrix_rec is None else imatrix_rec["file"])
+
+            kept = {r["type"]: r for r in old["rungs"]
+                    if r["type"] not in unmade and (r["type"] not in planned or same_command(r["command"], now(r["type"])))
+                    and rung_intact(out, r)}
+            for r in old["rungs"]:  # a rung no longer made (its type now leaves every tensor as it is) goes
+                if r["type"] in unmade:
+                    (out / r["file"]).unlink(missing_ok=True)
         elif old is not None:
             req.notes.append(f"{out / LADDER_FILE}: made from other inputs (source, importance matrix or tool); "
                              "every rung is made again")
@@ -268,13 +352,14 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
                "tool": {"path": str(tool), "version": old["tool"]["version"] if same_inputs and old else "", "sha256": tool_sha},
                "source": source_rec, "imatrix": imatrix_rec, "rungs": []}
         stem = re.sub(r"[^A-Za-z0-9._-]+", "-", source_path.name.removesuffix(".gguf")).strip(".-") or "model"
-        advance = progress.step(f"{len(types)} rungs ({len(kept)} kept)", len(types))
-        for t in types:
+        made = [t for t in types if t not in unmade]
+        advance = progress.step(f"{len(made)} rungs ({len([t for t in made if t in kept])} kept)", len(made))
+        for t in made:
             if t in kept:
                 doc["rungs"].append(kept[t])
                 advance(1)
                 continue
-            rec, version = _make_rung(tool, source, source_path, out, stem, t, threads, imatrix_rec, uncovered, requantize)
+            rec, version = _make_rung(tool, source, source_path, out, stem, t, threads, imatrix_rec, planned[t], requantize)
             if version:
                 doc["tool"]["version"] = version
             doc["rungs"].append(rec)
@@ -289,14 +374,16 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
 
 
 def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem: str, rung_type: str, threads: int,
-               imatrix_rec: dict | None, uncovered: set[str], requantize: bool) -> tuple[dict, str]:
+               imatrix_rec: dict | None, planned: dict[str, str], requantize: bool) -> tuple[dict, str]:
     """One rung: the tool run into a temporary name that does not end in ``.gguf``, read back, hashed, renamed;
     removed on any failure (Ctrl-C included)."""
     final = f"{stem}-{rung_type}.gguf"
     tmp = f".{final}.partial-{os.getpid()}"
     argv = rung_command(tool, source_path.resolve(), tmp, rung_type, threads,
-                        imatrix_name=None if imatrix_rec is None else imatrix_rec["file"],
-                        planned=planned_types(_quantizable(source), rung_type, uncovered), requantize=requantize)
+                        imatrix_name=None if imatrix_rec is None else imatrix_rec["file"], planned=planned,
+                        requantize=requantize)
+    own = _source_types(source)
+    copies = {n for n, t in planned.items() if t == own[n]}
     try:
         t0 = time.monotonic()
         try:
@@ -308,7 +395,7 @@ def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem
             why = f"exit {proc.returncode}" if proc.returncode >= 0 else f"signal {-proc.returncode}"
             raise MosaicError(f"llama-quantize failed making the {rung_type} rung ({why}): {_last_line(proc.stdout)}")
         seconds = round(time.monotonic() - t0, 3)
-        fallbacks = _read_back(out / tmp, source, rung_type)
+        fallbacks = _read_back(out / tmp, source, rung_type, copies)
         d = digest_file(out / tmp)
         os.replace(out / tmp, out / final)
     finally:

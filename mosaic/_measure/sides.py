@@ -24,6 +24,7 @@ from mosaic._build.gguf_plan import check_same_model
 from mosaic._checkpoint.gguf_model import GGUFModel
 from mosaic._eval.reference import Reference, is_reference_file
 from mosaic._eval.rows import Rows
+from mosaic._formats.gguf_container import type_name
 from mosaic._measure.backends import GGUFScorer, Scorer, exl3_scorer
 from mosaic._measure.importance import Importance
 from mosaic._measure.parts import part_bytes
@@ -90,11 +91,20 @@ def _same_gguf_bytes(unit: Unit, base: GGUFModel, donor: GGUFModel) -> bool:
 def _distinct(unit: Unit, versions: list[str], base: GGUFModel, donors: dict[str, GGUFModel]) -> list[str]:
     """A ladder's versions of a unit with each distinct one once: a donor whose tensors are the same type and
     bytes as the base's or an earlier donor's is that version (narrow rows fall back to the same few types in
-    many rungs), measured once, under its first name."""
+    many rungs; a rung keeps the source's bytes where its type has no fewer), measured once, under its first
+    name, or the name of the rung whose own type it is, where one is (a Q4_K tensor copied into every rung of
+    more bytes is the Q4_K rung's)."""
+    def own(v: str) -> bool:
+        by = donors[v].by_name()
+        return all(type_name(by[n].type_id).lower() == v for n in unit.tensors)
+
     kept = ["base"]
     for v in versions[1:]:
-        if not any(_same_gguf_bytes(unit, base if k == "base" else donors[k], donors[v]) for k in kept):
+        alike = next((i for i, k in enumerate(kept) if _same_gguf_bytes(unit, base if k == "base" else donors[k], donors[v])), None)
+        if alike is None:
             kept.append(v)
+        elif kept[alike] != "base" and own(v) and not own(kept[alike]):
+            kept[alike] = v
     return kept
 
 

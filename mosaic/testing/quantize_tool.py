@@ -7,7 +7,10 @@ same C function the real tool calls, with the same parameters: ``--pure``, ``--a
 type, tensor by tensor. What the bindings cannot hand over is an importance matrix's values: it reads the matrix
 only to apply the tool's own refusal (a tensor at a type that needs a matrix, which the matrix does not cover,
 aborts the run, as llama-quantize aborts it) and then refuses to write such a type at all, rather than write one
-the real tool would not. It prints a ``build = ...`` line as the real tool does.
+the real tool would not. Nor can they hand over ``--tensor-type``: where every tensor is named (as ``mosaic
+ladder`` names them) the binding quantizes as under ``--pure``, llama.cpp's own mix applying to none, and a
+tensor named at the type it already has in the source is then given the source's bytes, as llama.cpp copies
+such a tensor. It prints a ``build = ...`` line as the real tool does.
 
     python -m mosaic.testing.quantize_tool [--pure] [--imatrix F] [--allow-requantize]
         [--token-embedding-type T] [--output-tensor-type T] [--tensor-type NAME=T] SOURCE OUT FTYPE [THREADS]
@@ -15,6 +18,7 @@ the real tool would not. It prints a ``build = ...`` line as the real tool does.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -96,9 +100,18 @@ def main(argv: list[str]) -> int:
     if any(target(n) in NEEDS_IMATRIX for n in names):
         return _fail(f"this stand-in applies no importance matrix and does not write {rung_type}; "
                      "the real llama-quantize does (make llama-tools)")
+    named = {n for n in names if any(re.search(p, n) for p, _ in overrides)}
+    named |= {n for n, o in (("token_embd.weight", "--token-embedding-type"), ("output.weight", "--output-tensor-type"))
+              if o in opts}
+    everything_named = bool(overrides) and set(names) <= named
     try:
-        _quantize(src, dst, ftype, threads, pure="--pure" in flags, requantize="--allow-requantize" in flags,
-                  token_embd=opts.get("--token-embedding-type"), output=opts.get("--output-tensor-type"))
+        _quantize(src, dst, ftype, threads, pure="--pure" in flags or everything_named,
+                  requantize="--allow-requantize" in flags, token_embd=opts.get("--token-embedding-type"),
+                  output=opts.get("--output-tensor-type"))
+        own = {t.name: t.type_name for t in model.tensors}
+        copies = {n for n in names if n in named and target(n) == own[n]}
+        if copies:
+            _copy_from_source(model, Path(dst), copies)
     except Exception as e:  # the binding's own error, as the tool prints it
         return _fail(f"failed to quantize: {e}")
     print(f"main: quantize time = 0 ms, wrote {Path(dst).name}", file=sys.stderr)
@@ -124,6 +137,27 @@ def _quantize(src: str, dst: str, ftype: int, threads: int, *, pure: bool, requa
             raise RuntimeError("llama_model_quantize returned an error") from None
         return
     cy.model_quantize(src, dst, fill(cy.LlamaModelQuantizeParams()))
+
+
+def _copy_from_source(source: object, dst: Path, names: set[str]) -> None:
+    """``dst`` written again with each of ``names`` at the source's own type and bytes (what llama.cpp writes for a
+    tensor named at the type it has), every other tensor and the metadata as the binding wrote them."""
+    from mosaic._checkpoint.gguf_model import open_gguf_model
+    from mosaic._measure.cuts import write_pieces
+
+    seen = dst.with_name(dst.name + ".written.gguf")  # the model reader takes a .gguf name; the tool's may not be one
+    os.link(dst, seen)
+    try:
+        rung = open_gguf_model(seen)
+        src = source.by_name()  # type: ignore[attr-defined]
+        if all(src[t.name].type_id == t.type_id for t in rung.tensors if t.name in names):
+            return  # the binding copied them itself (the rung's own type)
+        pieces = [(source if t.name in names else rung, src[t.name] if t.name in names else t) for t in rung.tensors]
+        tmp = dst.with_name(dst.name + ".copying.gguf")
+        write_pieces(tmp, rung, pieces)
+        tmp.replace(dst)
+    finally:
+        seen.unlink()
 
 
 def write_tool(path: str | Path) -> Path:
