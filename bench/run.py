@@ -71,8 +71,9 @@ def main() -> int:
     ap.add_argument("--measure-model", default=None, choices=sorted(MODELS),
                     help="the measure case from the model's source on one procedure (bench/cases/ladder.py): the ladder, "
                          "the rivals and target-size at the stock types' bytes; --measure-methods words 'default' (mosaic's "
-                         "default measurement, and the frontier) and 'variants' (the eight method variants the default is "
-                         "chosen among); 'frontier' after a variants run kept (MOSAIC_BENCH_KEEP_LADDER=1, "
+                         "default measurement, and the frontier), 'goal' (the default at the goal's sizes alone, the run whose "
+                         "wall and disk peak the goal bounds, its files apart) and 'variants' (the eight method variants the "
+                         "default is chosen among); 'frontier' after a variants run kept (MOSAIC_BENCH_KEEP_LADDER=1, "
                          "MOSAIC_BENCH_RESUME=1): the chosen variant planned at every frontier size, drawn. Without it, "
                          "the SmolLM2 case of every method (bench/cases/measure.py)")
     ap.add_argument("--no-write", action="store_true")
@@ -107,9 +108,9 @@ def main() -> int:
         case_scale(args.runs, args.eval_ctx)
     if "measure" in cases and args.measure_model:
         words = args.measure_methods.split(",")
-        if {"default", "variants"} & set(words):
+        if {"default", "variants", "goal"} & set(words):
             case_ladder(args.measure_model, args.measure_ctx, args.measure_rows,
-                        {w for w in ("default", "variants") if w in words})
+                        {w for w in ("default", "variants", "goal") if w in words} | ({"default"} if "goal" in words else set()))
         if "frontier" in words:
             case_frontier(args.measure_model, args.measure_ctx)
     elif "measure" in cases:

@@ -19,15 +19,19 @@ What runs (``what``):
 - ``default``: the measurement ``mosaic measure --ladder DIR --imatrix M`` makes with no method flag, its plans at
   the goal's sizes and, for a model with a frontier, at every stock type's bytes, with target-size there too:
   the frontier, drawn into ``bench/frontier-<model>.svg``.
+- ``goal``: the default at the goal's sizes alone, rivals included: the run whose wall and disk peak the goal
+  bounds (a model not kept: its ladder made and removed), its files and ``ladder-<model>-goal.json`` apart.
 - ``variants``: one measurement with ``--imatrix-cap --calibrate units --curve versions``, read as the eight variants of the three
   method flags (:mod:`mosaic._measure.variants`), each planned at the goal's sizes; when both models' variants
   are on disk, the rule of bench/RESULTS.md ("Choosing the ladder's default on two models") chooses among them.
 
-Disk: a 1.5B model's ladder is 17 GB, target-size's F32 copy of the teacher 7 GB, each stock file or plan ~1 GB.
+Disk: a 1.5B model's ladder is 15 GB (17.6 before a rung kept a tensor's source bytes where its type has no
+fewer), target-size's F32 copy of the teacher 7 GB, each stock file or plan ~1 GB.
 The case holds them in turn: the rivals are made, scored and removed before the ladder is made; the plans are
 built and scored two at a time and removed; rungs no plan takes go before the builds; for a model not kept
 between runs (``keep``) the ladder goes at the end. A sampler adds up every file the case holds every two
-seconds; the table states its peak.
+seconds; the table states its peak. A run cut off continues where it was (``MOSAIC_BENCH_RESUME=1``,
+:class:`Sittings`): its wall is the sum of its sittings, its disk peak the most of any.
 """
 
 from __future__ import annotations
@@ -129,8 +133,8 @@ class DiskPeak:
     """The most bytes the case's files held at once, sampled every two seconds from a thread: the folders and
     files it writes (and the teacher it fetched), added up."""
 
-    def __init__(self, paths: list[Path]) -> None:
-        self.paths, self.peak, self._stop = paths, 0, threading.Event()
+    def __init__(self, paths: list[Path], beat: Callable[[int], None] | None = None) -> None:
+        self.paths, self.peak, self._stop, self._beat = paths, 0, threading.Event(), beat
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _held(self) -> int:
@@ -146,8 +150,12 @@ class DiskPeak:
         return total
 
     def _run(self) -> None:
+        n = 0
         while not self._stop.wait(2.0):
             self.peak = max(self.peak, self._held())
+            n += 1
+            if self._beat is not None and n % 15 == 0:  # every half minute: what a cut-off run would lose
+                self._beat(self.peak)
 
     def __enter__(self) -> DiskPeak:
         self._thread.start()
@@ -159,12 +167,59 @@ class DiskPeak:
         self.peak = max(self.peak, self._held())
 
 
+#: The stage running now and when it began (what a heartbeat records of a run cut off in it).
+_RUNNING: list[object] = []
+#: Stages that continue where an interrupted run left them (rungs kept, a measurement's journal): the time spent
+#: on them before the interruption is part of their cost; any other stage starts again, its lost time not counted.
+RESUMABLE = ("mosaic ladder", "measure: ")
+
+
 def _timed(costs: dict[str, float], key: str, cmd: list[str], env: dict[str, str] | None = None, **kw: object) -> subprocess.CompletedProcess:
     print(f"[{time.strftime('%H:%M:%S')}] {key}", file=sys.stderr, flush=True)  # where a run of hours is
     t = time.perf_counter()
-    r = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, **kw)  # type: ignore[call-overload]
+    _RUNNING[:] = [key, t]
+    try:
+        r = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, **kw)  # type: ignore[call-overload]
+    finally:
+        _RUNNING.clear()
     costs[key] = costs.get(key, 0.0) + time.perf_counter() - t
     return r
+
+
+class Sittings:
+    """One run's accounts across interruptions (``MOSAIC_BENCH_RESUME=1``): every half minute the costs so far,
+    the scored files, the rivals' budgets once made, the stage running and for how long, the wall and the disk
+    peak go to ``progress.json`` in the working folder. A resumed run starts from them: the rivals are not made
+    again, a resumable stage cut off counts the time it had run, and the run's wall and disk peak are the sum and
+    the most over its sittings. A run of hours is then one run even where the machine was taken away midway."""
+
+    def __init__(self, work: Path, resume: bool, costs: dict[str, float], got: dict[str, dict]) -> None:
+        self.path, self.costs, self.got = work / "progress.json", costs, got
+        prev = json.loads(self.path.read_text()) if resume and self.path.is_file() else {}
+        self.walls: list[float] = prev.get("walls", [])
+        self.peak: int = prev.get("disk_peak", 0)
+        self.budgets: dict[str, int] | None = prev.get("budgets")
+        costs.update(prev.get("costs", {}))
+        got.update(prev.get("got", {}) if self.budgets else {})
+        running = prev.get("running")
+        if running and running[0].startswith(RESUMABLE):
+            costs[running[0]] = costs.get(running[0], 0.0) + running[1]
+        self.started = time.perf_counter()
+
+    def beat(self, peak: int) -> None:
+        now = time.perf_counter()
+        running = [_RUNNING[0], now - _RUNNING[1]] if _RUNNING else None  # type: ignore[operator]
+        try:
+            doc = json.dumps({"walls": [*self.walls, now - self.started], "disk_peak": max(self.peak, peak), "budgets": self.budgets,
+                              "costs": dict(self.costs), "got": dict(self.got), "running": running})
+        except RuntimeError:  # a dict grew while it was copied: the next beat has it
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(doc)
+        tmp.replace(self.path)
+
+    def wall(self) -> float:
+        return sum(self.walls) + time.perf_counter() - self.started
 
 
 def _evaluate(models: dict[str, Path], teacher: Path, held: Path, ctx: int, env: dict[str, str], costs: dict[str, float],
@@ -212,31 +267,35 @@ def case_ladder(model_key: str, ctx: int, measure_rows: int, what: set[str]) -> 
         row(case, "skipped", f"needs llama-quantize (make bench) and target-size's ({model.target_size})", "")
         return
     env = _env()
-    work = DATA / f"ladder-{model.key}"
+    tag = "-goal" if "goal" in what else ""  # the goal's own run: its files apart from the variants and frontier runs'
+    work = DATA / f"ladder-{model.key}{tag}"
     if not resume:
         drop(work)
     work.mkdir(parents=True, exist_ok=True)
-    stock_dir, ladder_dir = DATA / f"{model.key}-stock", DATA / f"{model.key}-ladder"
+    stock_dir, ladder_dir = DATA / f"{model.key}{tag}-stock", DATA / f"{model.key}{tag}-ladder"
     lines = (ROOT / "tests" / "data" / "paragraphs.txt").read_text().splitlines()
     rows, held = work / "measure.txt", work / "held-out.txt"
     rows.write_text("\n".join(lines[:measure_rows]) + "\n")
     held.write_text("\n".join(lines[measure_rows:]) + "\n")
-    sizes = tuple(dict.fromkeys((*model.goal, *(model.frontier if "default" in what else ()))))
+    sizes = tuple(dict.fromkeys((*model.goal, *(model.frontier if "default" in what and "goal" not in what else ()))))
     costs: dict[str, float] = {}
     got: dict[str, dict] = {}
-    started = time.perf_counter()
-    with DiskPeak([teacher, work, stock_dir, ladder_dir]) as disk:
-        budgets = _rivals(model, teacher, sizes, stock_dir, work, quantize, Path(ts_tool), ctx, held, env, costs, got)
+    sittings = Sittings(work, resume, costs, got)
+    with DiskPeak([teacher, work, stock_dir, ladder_dir], sittings.beat) as disk:
+        budgets = sittings.budgets or _rivals(model, teacher, sizes, stock_dir, work, quantize, Path(ts_tool), ctx, held, env,
+                                              costs, got)
+        sittings.budgets = budgets
         plans = _plans(model, teacher, budgets, ladder_dir, work, rows, held, ctx, env, costs, got, what, resume)
         if not model.keep:
             drop(ladder_dir)
-    wall = time.perf_counter() - started
-    _report(case, model, budgets, plans, got, costs, disk.peak, wall, measure_rows, ctx)
-    if model.frontier and "default" in what:
+    wall, peak = sittings.wall(), max(sittings.peak, disk.peak)
+    _report(case, model, budgets, plans, got, costs, peak, wall, measure_rows, ctx, [*sittings.walls, wall - sum(sittings.walls)])
+    if model.frontier and "default" in what and "goal" not in what:
         frontier(model, teacher, got)
-    out = DATA / f"ladder-{model.key}.json"
+    out = DATA / f"ladder-{model.key}{tag}.json"
     out.write_text(json.dumps({"model": model.key, "budgets": budgets, "plans": plans, "got": got, "costs": costs,
-                               "disk_peak": disk.peak, "wall": wall, "what": sorted(what)}, indent=1))
+                               "disk_peak": peak, "wall": wall, "sittings": [*sittings.walls, wall - sum(sittings.walls)],
+                               "what": sorted(what)}, indent=1))
     if "variants" in what:
         choose_default()
 
@@ -473,7 +532,8 @@ def frontier(model: Model, teacher: Path, got: dict[str, dict], label: str = "th
 
 
 def _report(case: str, model: Model, budgets: dict[str, int], plans: dict[str, dict], got: dict[str, dict],
-            costs: dict[str, float], peak: int, wall: float, measure_rows: int, ctx: int) -> None:
+            costs: dict[str, float], peak: int, wall: float, measure_rows: int, ctx: int, sittings: list[float] | None = None
+            ) -> None:
     some = next(iter(got.values()))
     rt = some["runtime"]
     row(case, "setup", f"{measure_rows} rows measured, {len(some['rows'])} held out ({some['positions']:,} positions), ctx {ctx}",
@@ -508,7 +568,9 @@ def _report(case: str, model: Model, budgets: dict[str, int], plans: dict[str, d
             row(case, f"cost: {key}", f"{costs[key]:.0f} s", "per size after the first" if key == "target-size, warm" else "")
     for key in sorted(k for k in costs if k.startswith("llama-quantize")):
         row(case, f"cost: {key}", f"{costs[key]:.0f} s", "")
-    row(case, "the whole run", f"{wall / 3600:.2f} h", f"disk peak {peak / 1e9:.1f} GB (every file the case held at once)")
+    split = (f"; {len(sittings)} sittings, resumed where it was cut off: " + " + ".join(f"{w / 3600:.2f} h" for w in sittings)
+             if sittings and len(sittings) > 1 else "")
+    row(case, "the whole run", f"{wall / 3600:.2f} h", f"disk peak {peak / 1e9:.1f} GB (every file the case held at once){split}")
     _depth_rows(case)
 
 
