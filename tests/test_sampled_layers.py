@@ -47,6 +47,9 @@ def test_every_layer_is_measured_unless_a_sample_is_asked_for() -> None:
 
 @pytest.mark.parametrize(("given", "says"), [
     ({"sample_layers": 3, "calibrate": "units"}, "goes with --calibrate kinds"),
+    ({"sample_layers": 3, "calibrate": "pooled"}, "goes with --calibrate kinds"),
+    ({"calibrate": "pooled", "curve": "line"}, r"--calibrate pooled .* needs --curve versions, not --curve line"),
+    ({"calibrate": "pooled", "method": "weights"}, "not of --method weights"),
     ({"sample_layers": 3, "only_layers": "0-3"}, "give one of them"),
     ({"sample_layers": 3, "refine": 1, "max_size": 10, "curve": "line"}, "not with --sample-layers"),
     ({"sample_layers": -1}, "a number of layers"),
@@ -123,6 +126,29 @@ def test_the_fit_from_a_sample_of_layers_recovers_known_sensitivities_within_its
         assert abs(np.mean(z)) < 0.15  # no bias beyond the noise
 
 
+@pytest.mark.parametrize("layers", [30, 60])
+def test_each_kinds_alpha_from_its_pooled_pass_recovers_known_sensitivities_within_its_standard_errors(layers: int) -> None:
+    """``--calibrate pooled``: no drop runs; each kind's alpha is its pooled pass at the drops' version (IQ2_XS,
+    where the factor is 1) over its units' weight errors there, its standard error the pass's. Over many seeded
+    scorers it lands where a standard error promises, at either depth."""
+    from mosaic._measure.calibrate import pooled_alphas
+
+    z = []
+    for seed in range(120):
+        rows, _, pooled = _scored(seed, layers, [], noise=0.1)
+        for p in pooled:
+            if p["to"] == "IQ2_XS":
+                p["alpha"] = True
+        alphas = pooled_alphas(pooled, rows)
+        assert {k: n for k, (_, n) in alphas.items()} == {k: layers for k in KINDS}
+        z += [(a.value - KINDS[k]) / a.se for k, (a, _) in alphas.items()]
+    z_ = np.array(z)
+    assert 0.58 <= np.mean(np.abs(z_) <= 1) <= 0.78, np.mean(np.abs(z_) <= 1)
+    assert np.mean(np.abs(z_) <= 2) >= 0.92
+    assert np.mean(np.abs(z_) <= 3) >= 0.99
+    assert abs(np.mean(z_)) < 0.15
+
+
 def test_a_scorer_the_fit_does_not_assume_is_not_recovered() -> None:
     """The check above can fail: where the alpha grows with the depth, the sample's pooled alpha is no longer the
     kind's at every layer, and the shallow layers' alpha lies far outside its standard errors."""
@@ -148,11 +174,19 @@ def _model(tmp: Path, layers: int) -> dict[str, Path]:
 
 def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_30(tmp_path: Path) -> None:
     needs_runtime()
-    docs = {}
+    docs, pooled = {}, {}
     for layers in (30, 60):
         m = _model(tmp_path / str(layers), layers)
         docs[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
                                       ctx=16, unit="module-group", sample_layers=SAMPLE, out=tmp_path / f"{layers}.json").document
+        pooled[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
+                                        ctx=16, unit="module-group", calibrate="pooled",
+                                        out=tmp_path / f"{layers}-pooled.json").document
+    # --calibrate pooled: no layer's drops at all, the same passes at either depth
+    assert pooled[30]["forward_passes"] == pooled[60]["forward_passes"] < docs[30]["forward_passes"]
+    assert all(m["layer"] is None for d in pooled.values() for m in d["measured"])
+    assert pooled[30]["timing"]["stages"].get("drop", {}).get("passes", 0) == pooled[60]["timing"]["stages"].get(
+        "drop", {}).get("passes", 0)
     for layers, doc in docs.items():
         want = defaults.spread(list(range(layers)), SAMPLE)
         assert doc["settings"]["sampled_layers"] == want
@@ -166,14 +200,30 @@ def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_3
 
 def test_no_pooled_pass_runs_for_a_version_no_plan_can_take(tmp_path: Path) -> None:
     """Over a ladder made from a Q4_0 model, its Q4_0 rung is the source's own bytes: no weight error, and fewer
-    bytes than the Q8_0 rung. No plan takes Q8_0 then, and no forward pass measures it; the smaller rung is."""
+    bytes than a Q8_0 rung. No plan takes Q8_0 then, and no forward pass measures it; the smaller rung is.
+    (``mosaic ladder`` no longer makes such a rung; one made by an earlier version, every tensor at Q8_0, is
+    added by hand, as a ladder of published files may hold one.)"""
+    import json
+    import subprocess
+
+    from mosaic._base.hashing import digest_file
+
     needs_runtime()
     from tests.test_ladder import WIDE
 
     src = write_llama_gguf(tmp_path / "Q4_0.gguf", qtype="Q4_0", seed=11, geometry=WIDE)[0]
     imatrix = write_imatrix(tmp_path / "imatrix.gguf", imatrix_values(imatrix_targets(WIDE), seed=4))
-    mosaic.ladder(src, out=tmp_path / "rungs", types="Q2_K,Q4_0,Q8_0", imatrix=imatrix,
-                  llama_quantize=write_tool(tmp_path / "llama-quantize"))
+    tool = write_tool(tmp_path / "llama-quantize")
+    made = mosaic.ladder(src, out=tmp_path / "rungs", types="Q2_K,Q4_0,Q8_0", imatrix=imatrix, llama_quantize=tool)
+    assert [r["type"] for r in made.rungs] == ["Q2_K", "Q4_0"]
+    q8_file = tmp_path / "rungs" / "Q4_0-Q8_0.gguf"
+    argv = [str(tool), "--pure", "--allow-requantize", str(src), str(q8_file), "Q8_0"]
+    subprocess.run(argv, check=True, capture_output=True)
+    d = digest_file(q8_file)
+    manifest = json.loads((tmp_path / "rungs" / "ladder.json").read_text())
+    manifest["rungs"].append({"type": "Q8_0", "id": "q8_0", "file": q8_file.name, "sha256": d.sha256, "bytes": d.size,
+                              "command": argv, "fallbacks": {}})
+    (tmp_path / "rungs" / "ladder.json").write_text(json.dumps(manifest))
     rows = tmp_path / "rows.txt"
     rows.write_text("the model of a mosaic\nbytes and the bytes of a model\n")
     doc = mosaic.measure(ladder=tmp_path / "rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,

@@ -118,12 +118,42 @@ def test_kinds_from_a_sample_of_layers_is_that_samples_own_measurement(models: d
         derive(source, calibrate="kinds", curve="versions", layers=[1, 5])
 
 
+def test_each_kinds_alpha_from_its_pooled_pass_is_that_calibrations_own_measurement(
+        models: dict[str, Path], source: dict, tmp_path: Path) -> None:
+    """``--calibrate pooled`` runs no drop for a kind whose pooled pass at its drop version runs: that pass gives
+    the kind's alpha. Read from a measurement with every drop, it is the measurement itself: the same passes,
+    alphas, predictions, and fewer passes."""
+    real = _measure(models, tmp_path / "real.json", imatrix_cap=True, calibrate="pooled", curve="versions")
+    got = derive(source, calibrate="pooled", curve="versions")
+    assert validation_errors(got) == [] and validation_errors(real) == []
+    assert got["settings"] == real["settings"] and real["settings"]["calibrate"] == "pooled"
+    assert got["pooled"] == real["pooled"]
+    marked = [p for p in real["pooled"] if p.get("alpha")]
+    kinds = {p["kind"] for p in real["pooled"]}
+    assert {p["kind"] for p in marked} == {k for k in kinds if sum(1 for u in source["measured"] if u["group"] == k) > 1}
+    assert all(p["factor"] == 1.0 for p in marked)  # the line goes through its own pass
+    assert {m["group"] for m in real["measured"]}.isdisjoint({p["kind"] for p in marked})  # their drops did not run
+    assert got["measured"] == real["measured"]
+    assert got["forward_passes"] == real["forward_passes"] == source["forward_passes"] - (
+        len(source["measured"]) - len(real["measured"]))
+    assert got["calibration"].keys() == real["calibration"].keys()
+    for k, v in real["calibration"].items():
+        assert got["calibration"][k]["alpha"] == pytest.approx(v["alpha"], rel=1e-9, abs=1e-15)
+    mine, theirs = _predictions(got), _predictions(real)
+    assert mine.keys() == theirs.keys()
+    for k, (dkl, se) in theirs.items():
+        assert mine[k][0] == pytest.approx(dkl, rel=1e-9, abs=1e-12), k
+        assert mine[k][1] == pytest.approx(se, rel=1e-9, abs=1e-12), k
+
+
 def test_what_the_passes_cannot_give_is_refused(models: dict[str, Path], source: dict, tmp_path: Path) -> None:
     line = derive(source, calibrate="units", curve="line")
     with pytest.raises(mosaic.MosaicError, match="needs the pooled candidates"):
         derive(line, calibrate="units", curve="versions")
-    with pytest.raises(mosaic.MosaicError, match="a variant is units or kinds, line or versions"):
+    with pytest.raises(mosaic.MosaicError, match="a variant is units, kinds or pooled, line or versions"):
         derive(source, calibrate="units", curve="two-point")
+    with pytest.raises(mosaic.MosaicError, match=r"--calibrate pooled .* needs --curve versions"):
+        derive(source, calibrate="pooled", curve="line")
     some = _measure(models, tmp_path / "some.json", imatrix_cap=True, calibrate="kinds", curve="line", only_layers="0")
     with pytest.raises(mosaic.MosaicError, match=r"every unit needs a drop of its own .*; 1/\w+ has none"):
         derive(some, calibrate="units", curve="line")

@@ -160,11 +160,37 @@ def credible(ratio: float, se: float) -> float:
     return min(1.0, ratio + 2 * se) if ratio < 1 else max(1.0, ratio - 2 * se)
 
 
-def _alphas(measured: Sequence[Mapping[str, object]], calibrate: str) -> Callable[[object, object], Alpha]:
+def drop_version(tos: Sequence[str]) -> str:
+    """The version a kind's drops go to: the one most of its units' worst versions are (ties: the base, then
+    the id)."""
+    return min(set(tos), key=lambda v: (-tos.count(v), v != BASE, v))
+
+
+def pooled_alphas(pooled: Sequence[Mapping[str, object]], rows: Sequence[Mapping[str, object]],
+                  measured: Sequence[Mapping[str, object]] = ()) -> dict[str, tuple[Alpha, int]]:
+    """``--calibrate pooled``: per kind, its alpha from its pooled pass marked ``alpha`` (every unit of the
+    kind moved together to the kind's drop version): ``max(0, dkl) / Σ (eps_to − eps_top)`` over the units it
+    moved, the pass's standard error over the same sum; a kind with no such pass (one unit, whose drop is that
+    pass) from its measured drops, as ``kinds``."""
+    top = _tops(rows)
+    eps = {(unit_key(r["layer"], r["group"]), str(r["donor"])): float(r["eps"]) for r in rows}  # type: ignore[arg-type]
+    eps |= {(unit_key(r["layer"], r["group"]), BASE): float(r["eps_base"]) for r in rows}  # type: ignore[arg-type]
+    out = dict(kind_alphas(measured))
+    for p in pooled:
+        if not p.get("alpha"):
+            continue
+        den = sum(eps[(key, str(p["to"]))] - top[key] for key in p["units"])  # type: ignore[attr-defined]
+        a = Alpha(max(0.0, float(p["dkl"])) / den, float(p["dkl_se"]) / den) if den > 0 else Alpha(0.0, 0.0)  # type: ignore[arg-type]
+        out[str(p["kind"])] = (a, len(p["units"]))  # type: ignore[arg-type]
+    return dict(sorted(out.items()))
+
+
+def _alphas(measured: Sequence[Mapping[str, object]], calibrate: str, pooled: Sequence[Mapping[str, object]] = (),
+            rows: Sequence[Mapping[str, object]] = ()) -> Callable[[object, object], Alpha]:
     """``(layer, group) -> Alpha``: each unit's own (``units``; 0 for a unit not run, whose top version is the
-    base's) or its kind's pooled alpha (``kinds``)."""
-    if calibrate == "kinds":
-        by_kind = {k: a for k, (a, _) in kind_alphas(measured).items()}
+    base's), its kind's pooled alpha (``kinds``) or its kind's from its pooled pass (``pooled``)."""
+    if calibrate in ("kinds", "pooled"):
+        by_kind = {k: a for k, (a, _) in (kind_alphas(measured) if calibrate == "kinds" else pooled_alphas(pooled, rows, measured)).items()}
         return lambda layer, group: by_kind.get(kind_of(group), Alpha(0.0, 0.0))  # type: ignore[arg-type]
     own = {unit_key(m["layer"], m["group"]): alpha_of(m["dkl_drop"], m["dkl_drop_se"], drop_end(m), m["eps_top"])  # type: ignore[arg-type]
            for m in measured}
@@ -177,7 +203,7 @@ def version_factors(pooled: Sequence[Mapping[str, object]], measured: Sequence[M
     what the line predicted for it (the sum of its units' ``alpha × (eps_v − eps_top)``), the ratio of the
     measured rise to that sum, its standard error, and the ``factor`` the kind's curve takes at that version: the
     credible ratio, at least 0 (1 where the line predicted nothing)."""
-    alpha = _alphas(measured, calibrate)
+    alpha = _alphas(measured, calibrate, pooled, rows)
     top = _tops(rows)
     eps: dict[tuple[str, str], float] = {}
     for r in rows:
@@ -200,7 +226,8 @@ def version_factors(pooled: Sequence[Mapping[str, object]], measured: Sequence[M
 
 
 def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibrate: str,
-         base_kl: float | None, factors: Mapping[tuple[str, str], float] | None = None) -> list[dict]:
+         base_kl: float | None, factors: Mapping[tuple[str, str], float] | None = None,
+         pooled: Sequence[Mapping[str, object]] = ()) -> list[dict]:
     """Every (unit, donor) row (``layer``, ``group``, ``donor``, ``eps``, ``eps_base``...) with its predicted
     ``dkl`` from the measured drops: each unit's own alpha (``units``; 0 for a unit not run, whose top version
     is the base's), its own two-line curve where it has a second drop, or its kind's alpha (``kinds``); with
@@ -218,7 +245,7 @@ def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibra
             at_v, se = curve_loss(m, r["eps"])
             out.append(_loss_row(r, at_v - at_base, math.hypot(se, se_base), base_kl))
         return out
-    alpha = _alphas(measured, calibrate)
+    alpha = _alphas(measured, calibrate, pooled, rows)
     if not factors:
         return [{**r, **predicted(alpha(r["layer"], r["group"]), r["eps_base"], r["eps"], base_kl)} for r in rows]
     top = _tops(rows)
@@ -252,10 +279,12 @@ def complete(doc: dict) -> dict:
     candidate's factor. Used after one run and after a merge of shards."""
     calibrate = doc["settings"]["calibrate"]
     factors = None
+    pooled = doc.get("pooled") or []
     if doc.get("pooled") is not None:
         doc["pooled"] = version_factors(doc["pooled"], doc["measured"], doc["results"], calibrate)
         factors = {(p["kind"], p["to"]): p["factor"] for p in doc["pooled"]}
-    doc["results"] = fill(doc["results"], doc["measured"], calibrate, doc["base"]["kl"], factors)
-    if calibrate == "kinds":
-        doc["calibration"] = {k: {"alpha": a.value, "alpha_se": a.se, "units": n} for k, (a, n) in kind_alphas(doc["measured"]).items()}
+    doc["results"] = fill(doc["results"], doc["measured"], calibrate, doc["base"]["kl"], factors, pooled)
+    if calibrate in ("kinds", "pooled"):
+        alphas = kind_alphas(doc["measured"]) if calibrate == "kinds" else pooled_alphas(pooled, doc["results"], doc["measured"])
+        doc["calibration"] = {k: {"alpha": a.value, "alpha_se": a.se, "units": n} for k, (a, n) in alphas.items()}
     return doc

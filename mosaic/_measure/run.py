@@ -45,6 +45,7 @@ from mosaic._measure.backends import Scorer
 from mosaic._measure.calibrate import (
     BASE,
     complete,
+    drop_version,
     kind_of,
     measured_record,
     mid_version,
@@ -74,7 +75,7 @@ from mosaic._plan.measurement import SCHEMA_ID, dumps, validation_errors
 from mosaic._sources.gguf import is_gguf_src
 
 METHODS = ("top-down", "weights", "swaps")
-CALIBRATIONS = ("units", "kinds")
+CALIBRATIONS = ("units", "kinds", "pooled")
 CURVES = ("line", "two-point", "versions")
 
 
@@ -139,8 +140,11 @@ def _check_request(req: MeasureRequest, asked: MeasureRequest) -> Shard | None:
         raise MosaicError(f"--method {req.method}: one of {', '.join(METHODS)}")
     if req.calibrate not in CALIBRATIONS:
         raise MosaicError(f"--calibrate {req.calibrate}: one of {', '.join(CALIBRATIONS)}")
-    if req.calibrate == "kinds" and req.method != "top-down":
-        raise MosaicError(f"--calibrate kinds calibrates the drops of --method top-down, not of --method {req.method}")
+    if req.calibrate in ("kinds", "pooled") and req.method != "top-down":
+        raise MosaicError(f"--calibrate {req.calibrate} calibrates the drops of --method top-down, not of --method {req.method}")
+    if req.calibrate == "pooled" and req.curve != "versions":
+        raise MosaicError(f"--calibrate pooled reads each kind's alpha from its pooled pass: it needs --curve versions, "
+                          f"not --curve {req.curve}")
     shard = parse_shard(req.shard) if req.shard is not None else None
     if req.sample_layers:
         if req.sample_layers < 0:
@@ -280,7 +284,7 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
     if sample is not None:
         settings["sampled_layers"] = sample
     pooled_units = list(range(len(side.units))) if sample is not None else measured_units
-    plan = _Plan(side, errors, req.method, measured_units, shard, req.refine, req.curve, pooled_units)
+    plan = _Plan(side, errors, req.method, measured_units, shard, req.refine, req.curve, pooled_units, req.calibrate)
     if shard is not None:
         settings["shard"] = {"k": shard.k, "n": shard.n, "units": [unit_key(side.units[u].layer, side.units[u].group)
                                                                     for u in measured_units]}
@@ -357,14 +361,14 @@ def _measured_units(req: MeasureRequest, side: Side, sample: list[int] | None) -
     units = list(side.selected)
     if sample is not None:
         units = [i for i in units if side.units[i].layer in sample]
-    if req.calibrate == "kinds":
+    if req.calibrate in ("kinds", "pooled"):
         units += [i for i, u in enumerate(side.units) if u.layer is None and i not in units]
         have = {kind_of(side.units[i].group) for i in units}
         for u in side.units:
             k = kind_of(u.group)
             if k not in have:
                 where = sorted({x.layer for x in side.units if kind_of(x.group) == k and x.layer is not None})
-                raise MosaicError(f"--calibrate kinds: the kind {k} (layers {where[0]}-{where[-1]}) is in none of --only-layers "
+                raise MosaicError(f"--calibrate {req.calibrate}: the kind {k} (layers {where[0]}-{where[-1]}) is in none of --only-layers "
                                   f"{req.only_layers}; add a layer that has it")
     return sorted(units)
 
@@ -373,7 +377,7 @@ class _Plan:
     """What runs: the versions of the top, the candidates of this run (its shard), the laid-out versions."""
 
     def __init__(self, side: Side, errors: Errors, method: str, measured_units: list[int], shard: Shard | None,
-                 refine: int = 0, curve: str = "line", pooled_units: list[int] | None = None) -> None:
+                 refine: int = 0, curve: str = "line", pooled_units: list[int] | None = None, calibrate: str = "units") -> None:
         self.side, self.errors, self.method, self.refine = side, errors, method, refine
         self.measured_units = measured_units
         mine = [u for i, u in enumerate(measured_units) if shard is None or in_shard(i, shard)]
@@ -395,6 +399,11 @@ class _Plan:
             #: the measured ones, or every layer's where the drops ran at a sample of layers
             self.pooled = (_pooled(side, measured_units if pooled_units is None else pooled_units, self.top, self.to)
                            if curve == "versions" else [])
+            #: --calibrate pooled: each kind's pass at its drop version gives its alpha; only a kind without one
+            #: (a single unit, whose drop is that pass) keeps its drop
+            self.alpha_passes = _alpha_passes(side, self.pooled, self.to) if calibrate == "pooled" else set()
+            calibrated = {k for k, _ in self.alpha_passes}
+            self.drops = [ui for ui in self.drops if kind_of(side.units[ui].group) not in calibrated]
             self.pairs = (set(self.top_map.items()) | set(self.mids.items())
                           | {(ui, self.to[ui]) for ui in self.drops if self.to[ui] != BASE}
                           | {(ui, v) for _, v, moved in self.pooled if v != BASE for ui in moved})
@@ -407,6 +416,7 @@ class _Plan:
             self.drops = []
             self.mids = {}
             self.pooled = []
+            self.alpha_passes = set()
             self.swaps = [(ui, d) for ui in mine for d in side.versions[ui][1:]]
             self.pairs = set(self.swaps)
         self.mine = mine
@@ -433,6 +443,18 @@ def _pooled(side: Side, measured_units: list[int], top: list[str], to: list[str]
                 continue
             if not (len(uis) == 1 and to[uis[0]] == v):
                 out.append((k, v, moved))
+    return out
+
+
+def _alpha_passes(side: Side, pooled: list[tuple[str, str, list[int]]], to: list[str]) -> set[tuple[str, str]]:
+    """``(kind, version)`` of each kind's pooled pass at its drop version (the version most of its moved units'
+    drops would go to), where one runs."""
+    out = set()
+    runs = {(k, v) for k, v, _ in pooled}
+    for k in {k for k, _, _ in pooled}:
+        v = drop_version([to[ui] for k2, _, moved in pooled if k2 == k for ui in moved])
+        if (k, v) in runs:
+            out.add((k, v))
     return out
 
 
@@ -711,7 +733,7 @@ def _document(plan: _Plan, records: list[dict], head: dict, ref: Reference) -> d
                                         errors.eps[(ui, BASE)], errors.eps[(ui, plan.top[ui])], mid,  # type: ignore[index]
                                         to=plan.to[ui], eps_to=errors.eps[(ui, plan.to[ui])]))
     calibrate = head["settings"]["calibrate"]
-    row_units = range(len(units)) if calibrate == "kinds" else plan.measured_units
+    row_units = range(len(units)) if calibrate in ("kinds", "pooled") else plan.measured_units
     rows = [_row(side, errors, ui, d) for ui in row_units for d in side.versions[ui][1:]]
     seconds = [drops[(units[ui].layer, units[ui].group)]["seconds"] for ui in plan.drops]
     seconds += [r["seconds"] for r in mids.values()]
@@ -728,7 +750,8 @@ def _document(plan: _Plan, records: list[dict], head: dict, ref: Reference) -> d
     if plan.pooled:
         order = {(k, v): i for i, (k, v, _) in enumerate(plan.pooled)}
         doc["pooled"] = [{"kind": r["unit_kind"], "to": r["to"], "units": r["units"], "kl": r["kl"], "top1": r["top1"],
-                          "nll": r["nll"], "dkl": r["kl"] - top_rec["kl"], "dkl_se": r["dkl_se"]}
+                          "nll": r["nll"], "dkl": r["kl"] - top_rec["kl"], "dkl_se": r["dkl_se"],
+                          **({"alpha": True} if (r["unit_kind"], r["to"]) in plan.alpha_passes else {})}
                          for r in sorted(pooled, key=lambda r: order[(r["unit_kind"], r["to"])])]
     if plan.shard is not None:  # a part: the calibration needs every shard's drops (mosaic measure --merge)
         return doc

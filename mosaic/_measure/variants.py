@@ -18,7 +18,25 @@ import copy
 from collections.abc import Collection, Mapping
 
 from mosaic._base.errors import MosaicError
-from mosaic._measure.calibrate import BASE, alpha_of, complete, unit_key
+from mosaic._measure.calibrate import BASE, alpha_of, complete, drop_version, kind_of, unit_key
+
+
+def pooled_calibration(measured: list[dict], pooled: list[dict]) -> tuple[list[dict], int]:
+    """``--calibrate pooled`` read from a measurement with every drop: each kind's pooled pass at the version most
+    of its drops went to marked as its alpha's, and those kinds' drops left out (how many: the second value); a
+    kind with no such pass (one unit) keeps its drop."""
+    tos: dict[str, list[str]] = {}
+    for m in measured:
+        tos.setdefault(kind_of(m["group"]), []).append(m["to"])
+    calibrated = set()
+    for k, ts in tos.items():
+        v = drop_version(ts)
+        p = next((p for p in pooled if p["kind"] == k and p["to"] == v), None)
+        if p is not None:
+            p["alpha"] = True
+            calibrated.add(k)
+    kept = [m for m in measured if kind_of(m["group"]) not in calibrated]
+    return kept, len(measured) - len(kept)
 
 
 def _versions(doc: Mapping[str, object], eps: Mapping[tuple[str, str], float] | None = None) -> dict[str, dict[str, tuple[float, int]]]:
@@ -56,8 +74,10 @@ def derive(doc: Mapping[str, object], *, calibrate: str, curve: str, weights: Ma
     s = doc["settings"]  # type: ignore[index]
     if s["method"] != "top-down" or "shard" in s or doc.get("refinement") or s.get("curve") == "two-point":  # type: ignore[attr-defined]
         raise MosaicError("only a whole top-down measurement with a line or versions curve can be read under other settings")
-    if curve not in ("line", "versions") or calibrate not in ("units", "kinds"):
-        raise MosaicError(f"--calibrate {calibrate} --curve {curve}: a variant is units or kinds, line or versions")
+    if curve not in ("line", "versions") or calibrate not in ("units", "kinds", "pooled"):
+        raise MosaicError(f"--calibrate {calibrate} --curve {curve}: a variant is units, kinds or pooled, line or versions")
+    if calibrate == "pooled" and curve != "versions":
+        raise MosaicError("--calibrate pooled reads each kind's alpha from its pooled pass: it needs --curve versions")
     if curve == "versions" and not doc.get("pooled"):  # type: ignore[attr-defined]
         raise MosaicError("--curve versions needs the pooled candidates of a measurement made with it")
     if layers is not None and calibrate != "kinds":
@@ -104,6 +124,10 @@ def derive(doc: Mapping[str, object], *, calibrate: str, curve: str, weights: Ma
         out["measured"] = kept
         out["settings"]["sampled_layers"] = sorted(set(layers))
         notes.append(f"the drops of layers {','.join(map(str, sorted(set(layers))))} alone, of a measurement of every layer")
+    if calibrate == "pooled":
+        out["measured"], dropped = pooled_calibration(out["measured"], out["pooled"])
+        out["forward_passes"] -= dropped  # type: ignore[operator]
+        notes.append(f"each kind's alpha from its pooled pass at its drop version; {dropped} drops of those kinds left out")
     if curve == "line" and out.pop("pooled", None):
         out["forward_passes"] -= len(doc["pooled"])  # type: ignore[arg-type]
     out["settings"]["calibrate"], out["settings"]["curve"] = calibrate, curve
