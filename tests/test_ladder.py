@@ -350,6 +350,12 @@ def test_a_rung_keeps_the_sources_bytes_where_its_type_has_no_fewer(tmp_path: Pa
     assert [r["type"] for r in res.rungs] == ["Q3_K", "Q4_0", "Q5_K", "Q8_0"] and not res.notes
     q8 = _tensors(tmp_path / "rungs-2" / res.rungs[-1]["file"])
     assert all(q8[n].tensor_type.name == t for n, t in own.items())
+    # --whole: every rung every tensor at its type, as llama-quantize --pure writes it; Q8_0 made too
+    res = mosaic.ladder(src, out=tmp_path / "rungs-whole", types="Q5_K,Q8_0", llama_quantize=tool, whole=True)
+    assert [r["type"] for r in res.rungs] == ["Q5_K", "Q8_0"] and not res.notes
+    for r in res.rungs:
+        assert {t.tensor_type.name for n, t in _tensors(tmp_path / "rungs-whole" / r["file"]).items() if n in own} == {r["type"]}
+        assert "--pure" in r["command"]
     # a rung made by an older command (every tensor at the rung's type) is made again; the others are kept
     doc = json.loads((tmp_path / "rungs" / "ladder.json").read_text())
     q5 = next(r for r in doc["rungs"] if r["type"] == "Q5_K")

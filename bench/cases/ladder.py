@@ -76,6 +76,9 @@ class Model:
     types: str
     target_size: str  # the environment variable naming target-size's llama-quantize for this teacher
     keep: bool  # the ladder kept between runs
+    #: every tensor at every rung's type (``mosaic ladder --whole``): where the teacher's own type is left out of
+    #: both planners' types (SmolLM2's Q4_1), no rung may hold the teacher's bytes either
+    whole: bool = False
 
 
 def _smollm2() -> Path | None:
@@ -92,7 +95,7 @@ def _qwen() -> Path | None:
 
 MODELS = {
     "smollm2": Model("smollm2", "SmolLM2-135M-Instruct", _smollm2, ROOT / "tests" / "data" / "SmolLM2-135M-Instruct.imatrix.gguf",
-                     ("Q3_K_M", "IQ4_XS", "Q4_K_M"), (), NO_Q41, "MOSAIC_BENCH_TARGET_SIZE", True),
+                     ("Q3_K_M", "IQ4_XS", "Q4_K_M"), (), NO_Q41, "MOSAIC_BENCH_TARGET_SIZE", True, whole=True),
     "qwen2.5-coder-1.5b": Model("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", _qwen,
                                 ROOT / "bench" / "data" / "Qwen2.5-Coder-1.5B-Instruct.imatrix.gguf",
                                 ("Q2_K", "Q3_K_M", "IQ4_XS"), ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_XS", "Q4_K_S"),
@@ -406,7 +409,8 @@ def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Pat
            ) -> dict[str, dict]:
     """The ladder, the measurement(s), every plan at every budget, built and scored two at a time."""
     _timed(costs, "mosaic ladder", [*MOSAIC, "ladder", str(teacher), "--out", str(ladder_dir), "--imatrix", str(model.imatrix),
-                                    "--types", model.types, "--llama-quantize", str(_tool("llama-quantize"))], env=env)
+                                    "--types", model.types, "--llama-quantize", str(_tool("llama-quantize")),
+                                    *(["--whole"] if model.whole else [])], env=env)
     for r in json.loads((ladder_dir / "ladder.json").read_text())["rungs"]:
         if "seconds" in r:  # a rung kept from an earlier run keeps its own time
             costs[f"rung {r['type']}"] = r["seconds"]

@@ -64,6 +64,7 @@ class LadderRequest:
     types: str | None = None
     llama_quantize: str | None = None
     threads: int | None = None
+    whole: bool = False  # every tensor at every rung's type, none kept at its source bytes
     notes: list[str] = field(default_factory=list)
 
 
@@ -328,8 +329,8 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
         same_inputs = (old is not None and old["source"]["sha256"] == source_rec["sha256"]
                        and old["imatrix"] == imatrix_rec and old["tool"]["sha256"] == tool_sha)
         quantizable, own = _quantizable(source), _source_types(source)
-        planned = {t: planned_types(quantizable, t, uncovered, own) for t in types}
-        unmade = _unmade(types, planned, own)
+        planned = {t: planned_types(quantizable, t, uncovered, None if req.whole else own) for t in types}
+        unmade = [] if req.whole else _unmade(types, planned, own)
         if unmade:
             req.notes.append(f"{', '.join(unmade)}: not made: no tensor of the source has fewer bytes at "
                              f"{'that type' if len(unmade) == 1 else 'those types'} than at its own")
