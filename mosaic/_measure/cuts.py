@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from mosaic._base.errors import MosaicError
-from mosaic._base.hashing import digest_file, scratch
 from mosaic._checkpoint.gguf_model import GGUFModel, GGUFTensor
-from mosaic._formats.gguf_container import layout, read_gguf
-from mosaic._formats.safetensors_writer import copy_in_steps
+from mosaic._checkpoint.gguf_pieces import write_gguf_pieces
 
 #: Elements a sample takes of each tensor (of each expert's slice): about half a million, as llama.cpp's
 #: --target-size samples (``tensor_budget``), and never fewer rows than MIN_ROWS.
@@ -68,46 +65,11 @@ def sampled(t: GGUFTensor) -> bool:
     return len(t.ne) >= 2 and t.name.endswith(".weight")
 
 
-def write_pieces(path: Path, meta: GGUFModel, tensors: list[tuple[GGUFModel, GGUFTensor]]) -> Cut:
-    """A GGUF of ``meta``'s metadata and ``tensors``, each (the model it lies in, the tensor) copied whole."""
-    return _write(path, meta, [(t, t.ne, [(t.start, t.nbytes)], m) for m, t in tensors])
-
-
-def _write(path: Path, source: GGUFModel, pieces: list[tuple]) -> Cut:
+def _write(path: Path, source: GGUFModel, pieces: list[tuple[GGUFTensor, tuple[int, ...], list[tuple[int, int]]]]) -> Cut:
     """A GGUF of ``source``'s metadata and ``pieces`` (tensor, its shape in the cut, the (start, length) byte
-    ranges that make its data, in order, and optionally the model they lie in, ``source`` by default), written
-    under a temporary name and renamed."""
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    lay = layout(list(source.metadata.values()),
-                 [(p[0].name, p[1], p[0].type_id, sum(n for _, n in p[2])) for p in pieces], source.alignment)
-    buf = scratch("copy")[0]
-    fds: dict[Path, int] = {}
-    try:
-        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            os.pwrite(dst, lay.header, 0)
-            for (t, _, ranges, *where), info in zip(pieces, lay.tensors):
-                src = (where[0] if where else source).path(t.file)
-                if src not in fds:
-                    fds[src] = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                at = lay.data_start + info.offset
-                for start, n in ranges:
-                    copy_in_steps(fds[src], dst, n, start, at, buf=buf)
-                    at += n
-            os.ftruncate(dst, lay.size)
-            os.fsync(dst)
-        finally:
-            os.close(dst)
-        read_gguf(tmp)  # what was written parses strictly
-        digest = digest_file(tmp).sha256
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return Cut(path, digest, lay.size, {})
+    ranges of the source that make its data, in order)."""
+    sha256, size = write_gguf_pieces(path, source, [(source, t, ne, ranges) for t, ne, ranges in pieces])
+    return Cut(path, sha256, size, {})
 
 
 def write_sample(source: GGUFModel, path: Path, seed: int = SEED, *, elements: int = SAMPLE_ELEMENTS,

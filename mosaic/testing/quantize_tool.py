@@ -143,7 +143,7 @@ def _copy_from_source(source: object, dst: Path, names: set[str]) -> None:
     """``dst`` written again with each of ``names`` at the source's own type and bytes (what llama.cpp writes for a
     tensor named at the type it has), every other tensor and the metadata as the binding wrote them."""
     from mosaic._checkpoint.gguf_model import open_gguf_model
-    from mosaic._measure.cuts import write_pieces
+    from mosaic._checkpoint.gguf_pieces import whole, write_gguf_pieces
 
     seen = dst.with_name(dst.name + ".written.gguf")  # the model reader takes a .gguf name; the tool's may not be one
     os.link(dst, seen)
@@ -152,9 +152,9 @@ def _copy_from_source(source: object, dst: Path, names: set[str]) -> None:
         src = source.by_name()  # type: ignore[attr-defined]
         if all(src[t.name].type_id == t.type_id for t in rung.tensors if t.name in names):
             return  # the binding copied them itself (the rung's own type)
-        pieces = [(source if t.name in names else rung, src[t.name] if t.name in names else t) for t in rung.tensors]
+        pieces = [whole(source, src[t.name]) if t.name in names else whole(rung, t) for t in rung.tensors]  # type: ignore[arg-type]
         tmp = dst.with_name(dst.name + ".copying.gguf")
-        write_pieces(tmp, rung, pieces)
+        write_gguf_pieces(tmp, rung, pieces)
         tmp.replace(dst)
     finally:
         seen.unlink()
