@@ -200,30 +200,14 @@ def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_3
 
 def test_no_pooled_pass_runs_for_a_version_no_plan_can_take(tmp_path: Path) -> None:
     """Over a ladder made from a Q4_0 model, its Q4_0 rung is the source's own bytes: no weight error, and fewer
-    bytes than a Q8_0 rung. No plan takes Q8_0 then, and no forward pass measures it; the smaller rung is.
-    (``mosaic ladder`` no longer makes such a rung; one made by an earlier version, every tensor at Q8_0, is
-    added by hand, as a ladder of published files may hold one.)"""
-    import json
-    import subprocess
-
-    from mosaic._base.hashing import digest_file
-
+    bytes than the Q8_0 rung. No plan takes Q8_0 then, and no forward pass measures it; the smaller rung is."""
     needs_runtime()
     from tests.test_ladder import WIDE
 
     src = write_llama_gguf(tmp_path / "Q4_0.gguf", qtype="Q4_0", seed=11, geometry=WIDE)[0]
     imatrix = write_imatrix(tmp_path / "imatrix.gguf", imatrix_values(imatrix_targets(WIDE), seed=4))
-    tool = write_tool(tmp_path / "llama-quantize")
-    made = mosaic.ladder(src, out=tmp_path / "rungs", types="Q2_K,Q4_0,Q8_0", imatrix=imatrix, llama_quantize=tool)
-    assert [r["type"] for r in made.rungs] == ["Q2_K", "Q4_0"]
-    q8_file = tmp_path / "rungs" / "Q4_0-Q8_0.gguf"
-    argv = [str(tool), "--pure", "--allow-requantize", str(src), str(q8_file), "Q8_0"]
-    subprocess.run(argv, check=True, capture_output=True)
-    d = digest_file(q8_file)
-    manifest = json.loads((tmp_path / "rungs" / "ladder.json").read_text())
-    manifest["rungs"].append({"type": "Q8_0", "id": "q8_0", "file": q8_file.name, "sha256": d.sha256, "bytes": d.size,
-                              "command": argv, "fallbacks": {}})
-    (tmp_path / "rungs" / "ladder.json").write_text(json.dumps(manifest))
+    mosaic.ladder(src, out=tmp_path / "rungs", types="Q2_K,Q4_0,Q8_0", imatrix=imatrix,
+                  llama_quantize=write_tool(tmp_path / "llama-quantize"))
     rows = tmp_path / "rows.txt"
     rows.write_text("the model of a mosaic\nbytes and the bytes of a model\n")
     doc = mosaic.measure(ladder=tmp_path / "rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,

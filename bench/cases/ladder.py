@@ -25,8 +25,7 @@ What runs (``what``):
   method flags (:mod:`mosaic._measure.variants`), each planned at the goal's sizes; when both models' variants
   are on disk, the rule of bench/RESULTS.md ("Choosing the ladder's default on two models") chooses among them.
 
-Disk: a 1.5B model's ladder is 15 GB (17.6 before a rung kept a tensor's source bytes where its type has no
-fewer), target-size's F32 copy of the teacher 7 GB, each stock file or plan ~1 GB.
+Disk: a 1.5B model's ladder is 14.6 GB with ``--lean`` (17.6 GB whole), target-size's F32 copy of the teacher 7 GB, each stock file or plan ~1 GB.
 The case holds them in turn: the rivals are made, scored and removed before the ladder is made; the plans are
 built and scored two at a time and removed; rungs no plan takes go before the builds; for a model not kept
 between runs (``keep``) the ladder goes at the end. A sampler adds up every file the case holds every two
@@ -76,9 +75,10 @@ class Model:
     types: str
     target_size: str  # the environment variable naming target-size's llama-quantize for this teacher
     keep: bool  # the ladder kept between runs
-    #: every tensor at every rung's type (``mosaic ladder --whole``): where the teacher's own type is left out of
-    #: both planners' types (SmolLM2's Q4_1), no rung may hold the teacher's bytes either
-    whole: bool = False
+    #: ``mosaic ladder --lean`` (a tensor keeps its source bytes where a rung's type has no fewer): only where the
+    #: teacher's own types are among both planners' types; where one is left out (SmolLM2's Q4_1), no rung may
+    #: hold the teacher's bytes either
+    lean: bool = False
 
 
 def _smollm2() -> Path | None:
@@ -95,11 +95,11 @@ def _qwen() -> Path | None:
 
 MODELS = {
     "smollm2": Model("smollm2", "SmolLM2-135M-Instruct", _smollm2, ROOT / "tests" / "data" / "SmolLM2-135M-Instruct.imatrix.gguf",
-                     ("Q3_K_M", "IQ4_XS", "Q4_K_M"), (), NO_Q41, "MOSAIC_BENCH_TARGET_SIZE", True, whole=True),
+                     ("Q3_K_M", "IQ4_XS", "Q4_K_M"), (), NO_Q41, "MOSAIC_BENCH_TARGET_SIZE", True),
     "qwen2.5-coder-1.5b": Model("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", _qwen,
                                 ROOT / "bench" / "data" / "Qwen2.5-Coder-1.5B-Instruct.imatrix.gguf",
                                 ("Q2_K", "Q3_K_M", "IQ4_XS"), ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_XS", "Q4_K_S"),
-                                ALL_TYPES, "MOSAIC_BENCH_TARGET_SIZE_ALL", False),
+                                ALL_TYPES, "MOSAIC_BENCH_TARGET_SIZE_ALL", False, lean=True),
 }
 
 #: The variants of the rule: (--imatrix-cap, --calibrate, --curve).
@@ -410,7 +410,7 @@ def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Pat
     """The ladder, the measurement(s), every plan at every budget, built and scored two at a time."""
     _timed(costs, "mosaic ladder", [*MOSAIC, "ladder", str(teacher), "--out", str(ladder_dir), "--imatrix", str(model.imatrix),
                                     "--types", model.types, "--llama-quantize", str(_tool("llama-quantize")),
-                                    *(["--whole"] if model.whole else [])], env=env)
+                                    *(["--lean"] if model.lean else [])], env=env)
     for r in json.loads((ladder_dir / "ladder.json").read_text())["rungs"]:
         if "seconds" in r:  # a rung kept from an earlier run keeps its own time
             costs[f"rung {r['type']}"] = r["seconds"]

@@ -720,7 +720,7 @@ def ladder(
     types: str | Sequence[str] | None = None,
     llama_quantize: PathLike | None = None,
     threads: int | None = None,
-    whole: bool = False,
+    lean: bool = False,
     progress: Progress = False,
 ) -> LadderResult:
     """Make the donors of a model from its own source: one GGUF per ggml type in ``out``, every quantizable
@@ -728,10 +728,10 @@ def ladder(
     else ``PATH``), with the importance matrix ``imatrix`` where given; ``out/ladder.json`` records the tool, the
     inputs' SHA-256, each rung's exact command and its fallbacks. Resumable: a rung made from the same inputs and
     still intact is kept. ``types``: ggml type names (default: every type llama.cpp's own mixer considers, less
-    those that need a matrix when none is given). A tensor at a type of no fewer bytes than its own in the source
-    keeps its source bytes there, and a type no tensor takes is not made; ``whole``: every rung every tensor at
-    its type all the same (as ``llama-quantize --pure`` writes it), for a comparison that must not hold the
-    source's own bytes. :func:`measure` and :func:`plan` take the folder as ``ladder``.
+    those that need a matrix when none is given). ``lean``: a tensor at a type of no fewer bytes than its own in
+    the source keeps its source bytes there (no plan would take that version), and a type no tensor takes is not
+    made: a smaller, quicker ladder of a quantized source. :func:`measure` and :func:`plan` take the folder as
+    ``ladder``.
 
     >>> from mosaic.testing.gguf import Geometry, write_llama_gguf
     >>> from mosaic.testing.quantize_tool import write_tool
@@ -745,7 +745,7 @@ def ladder(
     _in_range("--threads", threads, 1, 1024)
     type_text = types if types is None or isinstance(types, str) else ",".join(types)
     req = LadderRequest(os.fspath(source), Path(out), None if imatrix is None else os.fspath(imatrix), type_text,
-                        None if llama_quantize is None else os.fspath(llama_quantize), threads, whole=whole)
+                        None if llama_quantize is None else os.fspath(llama_quantize), threads, lean=lean)
     with _running(progress, unit="rungs") as r:
         doc = make_ladder(req, r)
     return LadderResult(Path(out), doc, tuple(req.notes))

@@ -1,6 +1,5 @@
 """``mosaic ladder``: the donors made from the model's own source by llama.cpp's ``llama-quantize``, one GGUF per
-ggml type with every quantizable tensor at that type (``--pure``: the embedding and the output too) where it
-has fewer bytes there than in the source.
+ggml type with every quantizable tensor at that type (``--pure``: the embedding and the output too).
 
 A ladder widens what a plan can choose: every tensor at every type, not only the mixes people publish, and
 rungs below the base as well as above it. Each rung is what the tool writes, never re-made by mosaic: the tool
@@ -13,7 +12,7 @@ the nearest type that needs none instead.
 
 A tensor at a type of no fewer bytes than its own in the source is never worth taking: its source bytes have less
 error for fewer bytes. Made at such a type it would only cost the tool's time and the disk's bytes, and measured
-it would stand for the type where no plan takes it. So each rung keeps such a tensor at its source type (named by
+it would stand for the type where no plan takes it. So with ``--lean`` each rung keeps such a tensor at its source type (named by
 ``--tensor-type``, which the tool honours by copying the tensor as it is: the rung then holds the source's bytes,
 checked on read-back), and a rung in which no tensor takes the rung's type is not made at all. On a Q4_K_M
 source that leaves out Q8_0 and makes Q4_0 … Q6_K only for the Q6_K tensors. Resumable: a rung in the manifest
@@ -64,7 +63,7 @@ class LadderRequest:
     types: str | None = None
     llama_quantize: str | None = None
     threads: int | None = None
-    whole: bool = False  # every tensor at every rung's type, none kept at its source bytes
+    lean: bool = False  # a tensor whose source type has no more bytes than the rung's kept at it; types none takes not made
     notes: list[str] = field(default_factory=list)
 
 
@@ -329,8 +328,8 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
         same_inputs = (old is not None and old["source"]["sha256"] == source_rec["sha256"]
                        and old["imatrix"] == imatrix_rec and old["tool"]["sha256"] == tool_sha)
         quantizable, own = _quantizable(source), _source_types(source)
-        planned = {t: planned_types(quantizable, t, uncovered, None if req.whole else own) for t in types}
-        unmade = [] if req.whole else _unmade(types, planned, own)
+        planned = {t: planned_types(quantizable, t, uncovered, own if req.lean else None) for t in types}
+        unmade = _unmade(types, planned, own) if req.lean else []
         if unmade:
             req.notes.append(f"{', '.join(unmade)}: not made: no tensor of the source has fewer bytes at "
                              f"{'that type' if len(unmade) == 1 else 'those types'} than at its own")

@@ -1,5 +1,5 @@
-"""A ladder: one GGUF per ggml type, every quantizable tensor of one source model at that type (or, where that
-type has no fewer bytes, at its own), made by llama.cpp's own ``llama-quantize`` (``mosaic ladder``), and its
+"""A ladder: one GGUF per ggml type, every quantizable tensor of one source model at that type (with ``--lean``,
+where that type has no fewer bytes, at its own), made by llama.cpp's own ``llama-quantize`` (``mosaic ladder``), and its
 manifest ``ladder.json``.
 
 This module holds what both sides of a ladder need: the types a rung may hold and the llama.cpp file type

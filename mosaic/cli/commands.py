@@ -509,19 +509,19 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
 @click.option("--llama-quantize", "llama_quantize", default=None, metavar="PATH",
               help="llama.cpp's llama-quantize (default: $MOSAIC_LLAMA_QUANTIZE, else the one on PATH; make llama-tools builds it).")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None, help="The tool's threads (default: every core).")
-@click.option("--whole", is_flag=True,
-              help="Every tensor at every rung's type, even where that has no fewer bytes than its own in the source "
-                   "(by default such a tensor keeps its source bytes, and a type no tensor takes is not made).")
+@click.option("--lean", is_flag=True,
+              help="A tensor at a rung's type of no fewer bytes than its own in the source keeps its source bytes "
+                   "there (no plan would take that version), and a type no tensor takes is not made.")
 @click.option("--json", "as_json", is_flag=True, help="Print ladder.json on stdout.")
 @_guarded
 def ladder_cmd(source: str, out: Path, imatrix: str | None, types: str | None, llama_quantize: str | None,
-               threads: int | None, whole: bool, as_json: bool) -> None:
+               threads: int | None, lean: bool, as_json: bool) -> None:
     """Make the donors from the model's own source with llama.cpp's llama-quantize: one GGUF per type, every
     quantizable tensor at that type, and ladder.json; measure and plan take the folder as --ladder DIR."""
     from mosaic.cli.render import render_ladder
 
     res = api.ladder(source, out=out, imatrix=imatrix, types=types, llama_quantize=llama_quantize, threads=threads,
-                     whole=whole, progress=_bars(as_json))
+                     lean=lean, progress=_bars(as_json))
     if as_json:
         _emit_json(res.as_dict())
     else:
