@@ -359,7 +359,8 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
                 doc["rungs"].append(kept[t])
                 advance(1)
                 continue
-            rec, version = _make_rung(tool, source, source_path, out, stem, t, threads, imatrix_rec, planned[t], requantize)
+            copies = {n for n, typ in planned[t].items() if typ == own[n]}
+            rec, version = _make_rung(tool, source, source_path, out, stem, t, threads, imatrix_rec, planned[t], copies, requantize)
             if version:
                 doc["tool"]["version"] = version
             doc["rungs"].append(rec)
@@ -374,7 +375,7 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
 
 
 def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem: str, rung_type: str, threads: int,
-               imatrix_rec: dict | None, planned: dict[str, str], requantize: bool) -> tuple[dict, str]:
+               imatrix_rec: dict | None, planned: dict[str, str], copies: set[str], requantize: bool) -> tuple[dict, str]:
     """One rung: the tool run into a temporary name that does not end in ``.gguf``, read back, hashed, renamed;
     removed on any failure (Ctrl-C included)."""
     final = f"{stem}-{rung_type}.gguf"
@@ -382,8 +383,6 @@ def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem
     argv = rung_command(tool, source_path.resolve(), tmp, rung_type, threads,
                         imatrix_name=None if imatrix_rec is None else imatrix_rec["file"], planned=planned,
                         requantize=requantize)
-    own = _source_types(source)
-    copies = {n for n, t in planned.items() if t == own[n]}
     try:
         t0 = time.monotonic()
         try:
