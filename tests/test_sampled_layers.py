@@ -50,6 +50,10 @@ def test_every_layer_is_measured_unless_a_sample_is_asked_for() -> None:
     ({"sample_layers": 3, "calibrate": "pooled"}, "goes with --calibrate kinds"),
     ({"calibrate": "pooled", "curve": "line"}, r"--calibrate pooled .* needs --curve versions, not --curve line"),
     ({"calibrate": "pooled", "method": "weights"}, "not of --method weights"),
+    ({"calibrate": "groups", "method": "weights"}, "not of --method weights"),
+    ({"calibrate": "groups", "curve": "line", "shard": "1/2"}, "--calibrate groups .* not with --shard"),
+    ({"calibrate": "groups", "curve": "line", "refine": 1, "max_size": 10}, "not with --calibrate groups"),
+    ({"sample_layers": 3, "calibrate": "groups"}, "goes with --calibrate kinds"),
     ({"sample_layers": 3, "only_layers": "0-3"}, "give one of them"),
     ({"sample_layers": 3, "refine": 1, "max_size": 10, "curve": "line"}, "not with --sample-layers"),
     ({"sample_layers": -1}, "a number of layers"),
@@ -149,6 +153,71 @@ def test_each_kinds_alpha_from_its_pooled_pass_recovers_known_sensitivities_with
     assert abs(np.mean(z_)) < 0.15
 
 
+def test_a_kinds_units_are_dealt_into_groups_that_each_span_the_depth() -> None:
+    from mosaic._measure.calibrate import drop_groups
+
+    assert drop_groups(list(range(10)), 4) == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
+    assert drop_groups([7, 2, 5], 4) == [[1], [2], [0]]  # fewer units than groups: one each, in depth order
+    assert drop_groups([None], 4) == [[0]]
+    for layers in (30, 60):
+        groups = drop_groups(list(range(layers)))
+        assert len(groups) == 4 and sorted(i for g in groups for i in g) == list(range(layers))
+        assert all(min(g) < 4 and max(g) >= layers - 4 for g in groups)  # each from the top of the depth to its end
+        assert all(b - a == 4 for g in groups for a, b in zip(g, g[1:]))  # never two neighbours in one pass
+
+
+def _grouped(seed: int, layers: int, noise: float) -> tuple[list[dict], list[dict]]:
+    """The seeded scorer's rows and one pass per group (:func:`drop_groups`): the group's units at the drops'
+    version together cost the sum of their drops, with noise of a pass's standard error."""
+    from mosaic._measure.calibrate import drop_groups
+
+    rng = np.random.default_rng(seed)
+    rows, _, _ = _scored(seed, layers, [], noise)
+    eps = {(unit_key(r["layer"], r["group"]), r["donor"]): r["eps"] for r in rows}
+    groups = []
+    for group, alpha in KINDS.items():
+        for g in drop_groups(list(range(layers))):
+            keys = [unit_key(layer, group) for layer in g]
+            true = sum(alpha * (eps[(k, "IQ2_XS")] - eps[(k, "top")]) for k in keys)
+            se = noise * true / math.sqrt(len(keys))
+            groups.append({"kind": group, "units": keys, "to": ["IQ2_XS"] * len(keys), "kl": 1.0 + true, "top1": 0.5,
+                           "nll": 2.0, "dkl": true + float(rng.normal(0.0, se)), "dkl_se": se})
+    return rows, groups
+
+
+@pytest.mark.parametrize("layers", [30, 60])
+def test_each_kinds_alpha_from_its_group_passes_recovers_known_sensitivities_within_its_standard_errors(layers: int) -> None:
+    """``--calibrate groups``: no unit's drop runs; each kind's alpha is its four group passes over their units'
+    weight errors at the drops' version. Over many seeded scorers it lands where a standard error promises, at
+    either depth, from the same four passes per kind."""
+    from mosaic._measure.calibrate import group_alphas
+
+    z = []
+    for seed in range(120):
+        rows, groups = _grouped(seed, layers, noise=0.1)
+        assert len(groups) == 4 * len(KINDS)
+        alphas = group_alphas(groups, rows)
+        assert {k: n for k, (_, n) in alphas.items()} == {k: layers for k in KINDS}
+        z += [(a.value - KINDS[k]) / a.se for k, (a, _) in alphas.items()]
+    z_ = np.array(z)
+    assert 0.58 <= np.mean(np.abs(z_) <= 1) <= 0.78, np.mean(np.abs(z_) <= 1)
+    assert np.mean(np.abs(z_) <= 2) >= 0.92
+    assert np.mean(np.abs(z_) <= 3) >= 0.99
+    assert abs(np.mean(z_)) < 0.15
+
+
+def test_a_group_that_costs_less_than_its_drops_is_not_recovered() -> None:
+    """The check above can fail: where a group's units together cost 0.7 × their drops (they interact), the
+    groups' alpha lies many standard errors under the kind's."""
+    from mosaic._measure.calibrate import group_alphas
+
+    rows, groups = _grouped(0, 30, noise=0.05)
+    for g in groups:
+        g["dkl"] *= 0.7
+    a, _ = group_alphas(groups, rows)["ffn_down"]
+    assert (KINDS["ffn_down"] - a.value) / a.se > 3
+
+
 def test_a_scorer_the_fit_does_not_assume_is_not_recovered() -> None:
     """The check above can fail: where the alpha grows with the depth, the sample's pooled alpha is no longer the
     kind's at every layer, and the shallow layers' alpha lies far outside its standard errors."""
@@ -174,9 +243,12 @@ def _model(tmp: Path, layers: int) -> dict[str, Path]:
 
 def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_30(tmp_path: Path) -> None:
     needs_runtime()
-    docs, pooled = {}, {}
+    docs, pooled, grouped = {}, {}, {}
     for layers in (30, 60):
         m = _model(tmp_path / str(layers), layers)
+        grouped[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
+                                         ctx=16, unit="module-group", calibrate="groups",
+                                         out=tmp_path / f"{layers}-groups.json").document
         docs[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
                                       ctx=16, unit="module-group", sample_layers=SAMPLE, out=tmp_path / f"{layers}.json").document
         pooled[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
@@ -196,6 +268,18 @@ def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_3
         assert len({(r["layer"], r["group"]) for r in doc["results"]}) > len(doc["measured"])  # every unit is priced
     assert docs[30]["forward_passes"] == docs[60]["forward_passes"]
     assert docs[30]["timing"]["stages"]["drop"]["passes"] == docs[60]["timing"]["stages"]["drop"]["passes"]
+    # --calibrate groups: four passes per kind of many units, whatever the depth; each unit dropped in exactly one
+    assert grouped[30]["forward_passes"] == grouped[60]["forward_passes"] < docs[30]["forward_passes"]
+    for layers, doc in grouped.items():
+        assert all(m["layer"] is None for m in doc["measured"])
+        kinds = {g["kind"] for g in doc["groups"]}
+        assert len(doc["groups"]) == 4 * len(kinds) == doc["timing"]["stages"]["group"]["passes"]
+        for k in kinds:
+            units = [u for g in doc["groups"] if g["kind"] == k for u in g["units"]]
+            assert sorted(units) == sorted(unit_key(layer, k) for layer in range(layers))
+        assert set(doc["calibration"]) >= kinds and all(doc["calibration"][k]["units"] == layers for k in kinds)
+        versions = {"base", *doc["donors"]}
+        assert all(len(g["to"]) == len(g["units"]) and set(g["to"]) <= versions for g in doc["groups"])
 
 
 def test_no_pooled_pass_runs_for_a_version_no_plan_can_take(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ base (one unit swapped into a broken model) it drowns in it.
 
 ``units`` calibration gives each measured unit its own alpha; ``kinds`` pools the units of a kind (``attn_v``,
 ``ffn_down``, ...: the unit's group; ``layer`` for whole layers) over the measured layers and gives the pooled
-alpha to that kind in every layer. A line assumes that a version costs what its weight error says, whatever its
+alpha to that kind in every layer; ``groups`` reads the same sum from a few passes, each dropping a share of the
+kind's units (every few layers over the depth) together, so that no unit needs a drop of its own. A line assumes that a version costs what its weight error says, whatever its
 type; ``--curve versions`` measures each kind's units moved together to each version and multiplies the line
 there by a factor, the measured rise over the predicted one, taken only as far as it is proved (:func:`credible`).
 Everything here is arithmetic on the document's own records, so the same functions assemble a measurement after
@@ -25,6 +26,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 BASE = "base"
+#: the calibrations that give every unit of a kind one alpha
+KIND_CALIBRATIONS = ("kinds", "pooled", "groups")
 
 
 def kind_of(group: str | None) -> str:
@@ -185,12 +188,61 @@ def pooled_alphas(pooled: Sequence[Mapping[str, object]], rows: Sequence[Mapping
     return dict(sorted(out.items()))
 
 
+#: ``--calibrate groups``: how many passes a kind's drops are shared among, whatever the depth.
+DROP_GROUPS = 4
+
+
+def drop_groups(layers: Sequence[int | None], n: int = DROP_GROUPS) -> list[list[int]]:
+    """``--calibrate groups``: the positions of one kind's units (``layers``, each unit's layer) dealt into at
+    most ``n`` groups, in order of depth, every ``n``-th unit to the same group: a group's units lie a share of
+    the depth apart, never neighbours (whose errors meet in the same part of the residual stream), and every
+    group spans the whole depth, as the sum of every unit's drop does."""
+    order = sorted(range(len(layers)), key=lambda i: (layers[i] is None, layers[i] or 0, i))
+    return [g for g in (sorted(order[j::n]) for j in range(min(n, len(order)))) if g]
+
+
+def group_alphas(groups: Sequence[Mapping[str, object]], rows: Sequence[Mapping[str, object]],
+                 measured: Sequence[Mapping[str, object]] = ()) -> dict[str, tuple[Alpha, int]]:
+    """``--calibrate groups``: per kind, ``Σ max(0, dkl) / Σ (eps_to − eps_top)`` over its group passes (each the
+    top with a share of its units at their drop versions together) and the units they moved, the passes' standard
+    errors in quadrature over the same sum: :func:`kind_alphas` with a group's pass in place of its units' drops
+    summed. A kind with no group (one unit, whose drop is its group) from its measured drop, as ``kinds``."""
+    top = _tops(rows)
+    eps = {(unit_key(r["layer"], r["group"]), str(r["donor"])): float(r["eps"]) for r in rows}  # type: ignore[arg-type]
+    eps |= {(unit_key(r["layer"], r["group"]), BASE): float(r["eps_base"]) for r in rows}  # type: ignore[arg-type]
+    num: dict[str, float] = {}
+    den: dict[str, float] = {}
+    var: dict[str, float] = {}
+    n: dict[str, int] = {}
+    for g in groups:
+        k = str(g["kind"])
+        num[k] = num.get(k, 0.0) + max(0.0, float(g["dkl"]))  # type: ignore[arg-type]
+        den[k] = den.get(k, 0.0) + sum(eps[(u, str(v))] - top[u] for u, v in zip(g["units"], g["to"]))  # type: ignore[call-overload]
+        var[k] = var.get(k, 0.0) + float(g["dkl_se"]) ** 2  # type: ignore[arg-type]
+        n[k] = n.get(k, 0) + len(g["units"])  # type: ignore[arg-type]
+    out = dict(kind_alphas(measured))
+    out |= {k: (Alpha(num[k] / den[k], math.sqrt(var[k]) / den[k]) if den[k] > 0 else Alpha(0.0, 0.0), n[k]) for k in num}
+    return dict(sorted(out.items()))
+
+
+def kind_calibration(calibrate: str, measured: Sequence[Mapping[str, object]], pooled: Sequence[Mapping[str, object]] = (),
+                     rows: Sequence[Mapping[str, object]] = (), groups: Sequence[Mapping[str, object]] = ()
+                     ) -> dict[str, tuple[Alpha, int]]:
+    """Each kind's alpha and how many units it stands for, under ``kinds``, ``pooled`` or ``groups``."""
+    if calibrate == "pooled":
+        return pooled_alphas(pooled, rows, measured)
+    if calibrate == "groups":
+        return group_alphas(groups, rows, measured)
+    return kind_alphas(measured)
+
+
 def _alphas(measured: Sequence[Mapping[str, object]], calibrate: str, pooled: Sequence[Mapping[str, object]] = (),
-            rows: Sequence[Mapping[str, object]] = ()) -> Callable[[object, object], Alpha]:
+            rows: Sequence[Mapping[str, object]] = (), groups: Sequence[Mapping[str, object]] = ()
+            ) -> Callable[[object, object], Alpha]:
     """``(layer, group) -> Alpha``: each unit's own (``units``; 0 for a unit not run, whose top version is the
-    base's), its kind's pooled alpha (``kinds``) or its kind's from its pooled pass (``pooled``)."""
-    if calibrate in ("kinds", "pooled"):
-        by_kind = {k: a for k, (a, _) in (kind_alphas(measured) if calibrate == "kinds" else pooled_alphas(pooled, rows, measured)).items()}
+    base's), or its kind's (:func:`kind_calibration`)."""
+    if calibrate in KIND_CALIBRATIONS:
+        by_kind = {k: a for k, (a, _) in kind_calibration(calibrate, measured, pooled, rows, groups).items()}
         return lambda layer, group: by_kind.get(kind_of(group), Alpha(0.0, 0.0))  # type: ignore[arg-type]
     own = {unit_key(m["layer"], m["group"]): alpha_of(m["dkl_drop"], m["dkl_drop_se"], drop_end(m), m["eps_top"])  # type: ignore[arg-type]
            for m in measured}
@@ -198,12 +250,12 @@ def _alphas(measured: Sequence[Mapping[str, object]], calibrate: str, pooled: Se
 
 
 def version_factors(pooled: Sequence[Mapping[str, object]], measured: Sequence[Mapping[str, object]],
-                    rows: Sequence[Mapping[str, object]], calibrate: str) -> list[dict]:
+                    rows: Sequence[Mapping[str, object]], calibrate: str, groups: Sequence[Mapping[str, object]] = ()) -> list[dict]:
     """``--curve versions``: each pooled candidate (a kind's measured units moved together to one version) with
     what the line predicted for it (the sum of its units' ``alpha × (eps_v − eps_top)``), the ratio of the
     measured rise to that sum, its standard error, and the ``factor`` the kind's curve takes at that version: the
     credible ratio, at least 0 (1 where the line predicted nothing)."""
-    alpha = _alphas(measured, calibrate, pooled, rows)
+    alpha = _alphas(measured, calibrate, pooled, rows, groups)
     top = _tops(rows)
     eps: dict[tuple[str, str], float] = {}
     for r in rows:
@@ -227,7 +279,7 @@ def version_factors(pooled: Sequence[Mapping[str, object]], measured: Sequence[M
 
 def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibrate: str,
          base_kl: float | None, factors: Mapping[tuple[str, str], float] | None = None,
-         pooled: Sequence[Mapping[str, object]] = ()) -> list[dict]:
+         pooled: Sequence[Mapping[str, object]] = (), groups: Sequence[Mapping[str, object]] = ()) -> list[dict]:
     """Every (unit, donor) row (``layer``, ``group``, ``donor``, ``eps``, ``eps_base``...) with its predicted
     ``dkl`` from the measured drops: each unit's own alpha (``units``; 0 for a unit not run, whose top version
     is the base's), its own two-line curve where it has a second drop, or its kind's alpha (``kinds``); with
@@ -245,7 +297,7 @@ def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibra
             at_v, se = curve_loss(m, r["eps"])
             out.append(_loss_row(r, at_v - at_base, math.hypot(se, se_base), base_kl))
         return out
-    alpha = _alphas(measured, calibrate, pooled, rows)
+    alpha = _alphas(measured, calibrate, pooled, rows, groups)
     if not factors:
         return [{**r, **predicted(alpha(r["layer"], r["group"]), r["eps_base"], r["eps"], base_kl)} for r in rows]
     top = _tops(rows)
@@ -280,11 +332,12 @@ def complete(doc: dict) -> dict:
     calibrate = doc["settings"]["calibrate"]
     factors = None
     pooled = doc.get("pooled") or []
+    groups = doc.get("groups") or []
     if doc.get("pooled") is not None:
-        doc["pooled"] = version_factors(doc["pooled"], doc["measured"], doc["results"], calibrate)
+        doc["pooled"] = version_factors(doc["pooled"], doc["measured"], doc["results"], calibrate, groups)
         factors = {(p["kind"], p["to"]): p["factor"] for p in doc["pooled"]}
-    doc["results"] = fill(doc["results"], doc["measured"], calibrate, doc["base"]["kl"], factors, pooled)
-    if calibrate in ("kinds", "pooled"):
-        alphas = kind_alphas(doc["measured"]) if calibrate == "kinds" else pooled_alphas(pooled, doc["results"], doc["measured"])
+    doc["results"] = fill(doc["results"], doc["measured"], calibrate, doc["base"]["kl"], factors, pooled, groups)
+    if calibrate in KIND_CALIBRATIONS:
+        alphas = kind_calibration(calibrate, doc["measured"], pooled, doc["results"], groups)
         doc["calibration"] = {k: {"alpha": a.value, "alpha_se": a.se, "units": n} for k, (a, n) in alphas.items()}
     return doc

@@ -115,7 +115,7 @@ class Journal:
 
 
 #: The records that are one forward pass each (a result with the base's own bytes is not run).
-PASS_KINDS = ("teacher", "base", "top", "result", "drop", "drop-mid", "pooled", "round", "move")
+PASS_KINDS = ("teacher", "base", "top", "result", "drop", "drop-mid", "pooled", "group", "round", "move")
 
 
 def _tally(items: Iterable[tuple[str, int, float]]) -> dict[str, dict[str, float]]:

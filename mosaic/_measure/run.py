@@ -44,7 +44,9 @@ from mosaic._hub.partial import atomic_write
 from mosaic._measure.backends import Scorer
 from mosaic._measure.calibrate import (
     BASE,
+    KIND_CALIBRATIONS,
     complete,
+    drop_groups,
     drop_version,
     kind_of,
     measured_record,
@@ -75,7 +77,7 @@ from mosaic._plan.measurement import SCHEMA_ID, dumps, validation_errors
 from mosaic._sources.gguf import is_gguf_src
 
 METHODS = ("top-down", "weights", "swaps")
-CALIBRATIONS = ("units", "kinds", "pooled")
+CALIBRATIONS = ("units", *KIND_CALIBRATIONS)
 CURVES = ("line", "two-point", "versions")
 
 
@@ -140,11 +142,15 @@ def _check_request(req: MeasureRequest, asked: MeasureRequest) -> Shard | None:
         raise MosaicError(f"--method {req.method}: one of {', '.join(METHODS)}")
     if req.calibrate not in CALIBRATIONS:
         raise MosaicError(f"--calibrate {req.calibrate}: one of {', '.join(CALIBRATIONS)}")
-    if req.calibrate in ("kinds", "pooled") and req.method != "top-down":
+    if req.calibrate in KIND_CALIBRATIONS and req.method != "top-down":
         raise MosaicError(f"--calibrate {req.calibrate} calibrates the drops of --method top-down, not of --method {req.method}")
     if req.calibrate == "pooled" and req.curve != "versions":
         raise MosaicError(f"--calibrate pooled reads each kind's alpha from its pooled pass: it needs --curve versions, "
                           f"not --curve {req.curve}")
+    if req.calibrate == "groups" and req.shard is not None:
+        raise MosaicError("--calibrate groups drops each kind's units together, across every layer: not with --shard")
+    if req.calibrate == "groups" and req.refine:
+        raise MosaicError("--refine moves every unit from the plan it measures, and needs a drop of each: not with --calibrate groups")
     shard = parse_shard(req.shard) if req.shard is not None else None
     if req.sample_layers:
         if req.sample_layers < 0:
@@ -361,7 +367,7 @@ def _measured_units(req: MeasureRequest, side: Side, sample: list[int] | None) -
     units = list(side.selected)
     if sample is not None:
         units = [i for i in units if side.units[i].layer in sample]
-    if req.calibrate in ("kinds", "pooled"):
+    if req.calibrate in KIND_CALIBRATIONS:
         units += [i for i, u in enumerate(side.units) if u.layer is None and i not in units]
         have = {kind_of(side.units[i].group) for i in units}
         for u in side.units:
@@ -402,10 +408,13 @@ class _Plan:
             #: --calibrate pooled: each kind's pass at its drop version gives its alpha; only a kind without one
             #: (a single unit, whose drop is that pass) keeps its drop
             self.alpha_passes = _alpha_passes(side, self.pooled, self.to) if calibrate == "pooled" else set()
-            calibrated = {k for k, _ in self.alpha_passes}
+            #: --calibrate groups: (kind, its units dropped together), a few per kind whatever the depth
+            self.groups = _groups(side, self.drops) if calibrate == "groups" else []
+            calibrated = {k for k, _ in self.alpha_passes} | {k for k, _ in self.groups}
             self.drops = [ui for ui in self.drops if kind_of(side.units[ui].group) not in calibrated]
             self.pairs = (set(self.top_map.items()) | set(self.mids.items())
                           | {(ui, self.to[ui]) for ui in self.drops if self.to[ui] != BASE}
+                          | {(ui, self.to[ui]) for _, moved in self.groups for ui in moved if self.to[ui] != BASE}
                           | {(ui, v) for _, v, moved in self.pooled if v != BASE for ui in moved})
             if refine:  # a plan may take any version of any unit
                 self.pairs |= {(ui, d) for ui, vs in enumerate(side.versions) for d in vs[1:]}
@@ -417,6 +426,7 @@ class _Plan:
             self.mids = {}
             self.pooled = []
             self.alpha_passes = set()
+            self.groups = []
             self.swaps = [(ui, d) for ui in mine for d in side.versions[ui][1:]]
             self.pairs = set(self.swaps)
         self.mine = mine
@@ -443,6 +453,22 @@ def _pooled(side: Side, measured_units: list[int], top: list[str], to: list[str]
                 continue
             if not (len(uis) == 1 and to[uis[0]] == v):
                 out.append((k, v, moved))
+    return out
+
+
+def _groups(side: Side, drops: list[int]) -> list[tuple[str, list[int]]]:
+    """``--calibrate groups``: per kind of more than one unit, its units that have a drop dealt into
+    :data:`DROP_GROUPS` groups over the depth (:func:`.calibrate.drop_groups`), each run as one pass with its units
+    at their drop versions together. A kind's alpha is the sum of its drops over the sum of their weight errors;
+    a pass that drops a group measures its share of that sum at once, so the passes are fixed by the kinds, not
+    by the depth. A one-unit kind keeps its drop."""
+    kinds: dict[str, list[int]] = {}
+    for ui in drops:
+        kinds.setdefault(kind_of(side.units[ui].group), []).append(ui)
+    out = []
+    for k, uis in sorted(kinds.items()):
+        if len(uis) > 1:
+            out += [(k, [uis[i] for i in g]) for g in drop_groups([side.units[ui].layer for ui in uis])]
     return out
 
 
@@ -591,6 +617,23 @@ def _pooled_job(plan: _Plan, marks: dict[str, dict | None], kind: str, v: str, m
     return versions, f"the top with the {len(units)} {kind} units at {where}", record
 
 
+def _group_job(plan: _Plan, marks: dict[str, dict | None], kind: str, moved: list[int]) -> _Job:
+    """The top with a group of a kind's units at their drop versions together: its share of the kind's drops."""
+    versions = {ui: t for ui, t in plan.top_map.items() if ui not in moved}
+    versions.update({ui: plan.to[ui] for ui in moved if plan.to[ui] != BASE})
+    units = [unit_key(plan.side.units[ui].layer, plan.side.units[ui].group) for ui in moved]
+
+    def record(p: dict, t0: float) -> dict:
+        top_rec = marks["top"]
+        assert top_rec is not None
+        rec = _panel_record("group", p, t0, unit_kind=kind, units=units, to=[plan.to[ui] for ui in moved])
+        rec["dkl_se"] = _se([r["kl"] for r in p["rows"]], [r[0] for r in top_rec["rows"]])
+        return rec
+
+    layers = ",".join(str(plan.side.units[ui].layer) for ui in moved)
+    return versions, f"the top with {kind} of layers {layers} at their drop versions", record
+
+
 def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, reference: dict, teacher_path: Path,
          head: dict, out: Path, started: float, weights_seconds: float, progress: Reporter) -> dict:
     side = plan.side
@@ -609,6 +652,9 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
     mids = [ui for ui in plan.drops if ui in plan.mids and (units[ui].layer, units[ui].group) not in mid_done]
     pooled_done = {(r["unit_kind"], r["to"]) for r in recs if r["kind"] == "pooled"}
     pooled = [p for p in plan.pooled if (p[0], p[1]) not in pooled_done]
+    groups_done = {(r["unit_kind"], tuple(r["units"])) for r in recs if r["kind"] == "group"}
+    groups = [(k, moved) for k, moved in plan.groups
+              if (k, tuple(unit_key(units[ui].layer, units[ui].group) for ui in moved)) not in groups_done]
     need_top = plan.top is not None and top_rec is None
     workdir = (Path(req.workdir) if req.workdir is not None else out.parent).resolve()
     scorer: Scorer | None = None
@@ -619,7 +665,7 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
     # a version's parts are laid out for the first candidate that takes it and removed after the last: the
     # pooled candidates go version by version, so that one version of every kind is laid out at a time
     jobs = [*(_swap_job(plan, marks, ui, d) for ui, d in swaps), *(_drop_job(plan, marks, ui) for ui in drops),
-            *(_mid_job(plan, marks, ui) for ui in mids),
+            *(_mid_job(plan, marks, ui) for ui in mids), *(_group_job(plan, marks, k, moved) for k, moved in groups),
             *(_pooled_job(plan, marks, *p) for p in sorted(pooled, key=lambda p: (p[1] != BASE, p[1], p[0])))]
     seq = [*ends, *jobs]
     last_use = {pair: i for i, (versions, _, _) in enumerate(seq) for pair in versions.items()}
@@ -733,20 +779,26 @@ def _document(plan: _Plan, records: list[dict], head: dict, ref: Reference) -> d
                                         errors.eps[(ui, BASE)], errors.eps[(ui, plan.top[ui])], mid,  # type: ignore[index]
                                         to=plan.to[ui], eps_to=errors.eps[(ui, plan.to[ui])]))
     calibrate = head["settings"]["calibrate"]
-    row_units = range(len(units)) if calibrate in ("kinds", "pooled") else plan.measured_units
+    row_units = range(len(units)) if calibrate in KIND_CALIBRATIONS else plan.measured_units
     rows = [_row(side, errors, ui, d) for ui in row_units for d in side.versions[ui][1:]]
     seconds = [drops[(units[ui].layer, units[ui].group)]["seconds"] for ui in plan.drops]
     seconds += [r["seconds"] for r in mids.values()]
     pooled = [r for r in records if r["kind"] == "pooled"]
     seconds += [r["seconds"] for r in pooled]
+    group_recs = {(r["unit_kind"], tuple(r["units"])): r for r in records if r["kind"] == "group"}
+    groups = [group_recs[(k, tuple(unit_key(units[ui].layer, units[ui].group) for ui in moved))] for k, moved in plan.groups]
+    seconds += [r["seconds"] for r in groups]
     doc.update({
         "seconds": 0.0, "seconds_per_candidate": round(statistics.mean(seconds), 3) if seconds else None,
-        "forward_passes": teacher_runs + 2 + len(measured) + sum("mid" in m for m in measured) + len(pooled),
+        "forward_passes": teacher_runs + 2 + len(measured) + sum("mid" in m for m in measured) + len(pooled) + len(groups),
         "top": {"kl": top_rec["kl"], "top1": top_rec["top1"], "nll": top_rec["nll"],
                 "versions": {unit_key(u.layer, u.group): plan.top[i] for i, u in enumerate(units)}},  # type: ignore[index]
         "measured": measured,
     })
     doc["results"] = rows
+    if plan.groups:
+        doc["groups"] = [{"kind": r["unit_kind"], "units": r["units"], "to": r["to"], "kl": r["kl"], "top1": r["top1"],
+                          "nll": r["nll"], "dkl": r["kl"] - top_rec["kl"], "dkl_se": r["dkl_se"]} for r in groups]
     if plan.pooled:
         order = {(k, v): i for i, (k, v, _) in enumerate(plan.pooled)}
         doc["pooled"] = [{"kind": r["unit_kind"], "to": r["to"], "units": r["units"], "kl": r["kl"], "top1": r["top1"],

@@ -416,10 +416,11 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
 @click.option("--method", type=click.Choice(["top-down", "weights", "swaps"]), default="top-down", show_default=True,
               help="top-down: weight errors from the files, calibrated by one drop from the top model per unit; "
                    "weights: the weight errors alone (no model runs); swaps: every base + one unit from one donor, run.")
-@click.option("--calibrate", type=click.Choice(["units", "kinds", "pooled"]), default=None,
+@click.option("--calibrate", type=click.Choice(["units", "kinds", "pooled", "groups"]), default=None,
               help="top-down: each unit's own sensitivity, or one per kind of unit pooled over --only-layers (default every "
                    "layer) and given to every layer; pooled: one per kind read from its pooled pass at its drop version "
-                   "(--curve versions), with no drop per unit: the passes do not grow with the layers. "
+                   "(--curve versions); groups: one per kind from 4 passes, each dropping every 4th of its units "
+                   "together. With pooled or groups no unit has a drop of its own: the passes do not grow with the layers. "
                    "[default: kinds over --ladder, units otherwise]")
 @click.option("--curve", type=click.Choice(["line", "two-point", "versions"]), default=None,
               help="top-down: each unit's loss as the line through its drop to its worst version; two-point: two lines "
