@@ -269,7 +269,7 @@ def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_3
     assert docs[30]["forward_passes"] == docs[60]["forward_passes"]
     assert docs[30]["timing"]["stages"]["drop"]["passes"] == docs[60]["timing"]["stages"]["drop"]["passes"]
     # --calibrate groups: four passes per kind of many units, whatever the depth; each unit dropped in exactly one
-    assert grouped[30]["forward_passes"] == grouped[60]["forward_passes"] < docs[30]["forward_passes"]
+    assert grouped[30]["forward_passes"] == grouped[60]["forward_passes"]
     for layers, doc in grouped.items():
         assert all(m["layer"] is None for m in doc["measured"])
         kinds = {g["kind"] for g in doc["groups"]}
