@@ -5,6 +5,7 @@ the model's own form; and no pass measures a version no plan can take."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -163,7 +164,7 @@ def test_a_kinds_units_are_dealt_into_groups_that_each_span_the_depth() -> None:
         groups = drop_groups(list(range(layers)))
         assert len(groups) == 4 and sorted(i for g in groups for i in g) == list(range(layers))
         assert all(min(g) < 4 and max(g) >= layers - 4 for g in groups)  # each from the top of the depth to its end
-        assert all(b - a == 4 for g in groups for a, b in zip(g, g[1:]))  # never two neighbours in one pass
+        assert all(b - a == 4 for g in groups for a, b in itertools.pairwise(g))  # never two neighbours in one pass
 
 
 def _grouped(seed: int, layers: int, noise: float) -> tuple[list[dict], list[dict]]:
