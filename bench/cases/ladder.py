@@ -607,18 +607,19 @@ def _cost_rows(case: str, plans: dict[str, dict], costs: dict[str, float]) -> No
             f"{'met' if plan + build <= warm else 'missed'}")
 
 
-def depth_passes(layers: tuple[int, ...] = (30, 60), sample: int = 4) -> dict[tuple[int, int], int]:
+def depth_passes(layers: tuple[int, ...] = (30, 60), sample: int = 4) -> dict[tuple[int, int | str], int]:
     """Forward passes of a measurement over a ladder of a synthetic model of SmolLM2's kinds at each depth of
-    ``layers``: ``--sample-layers sample`` at every depth, the default (every layer's drops, ``sample`` 0) at the
-    first only (its 60-layer run is half an hour of model loads on two cores, and its drops are one per unit by
-    construction). The count, not the time (llama.cpp's own quantizer behind the suite's stand-in tool)."""
+    ``layers``: ``--sample-layers sample``, ``--calibrate pooled`` and ``--calibrate groups`` at every depth, the
+    default (every layer's drops, ``sample`` 0) at the first only (its 60-layer run is half an hour of model loads
+    on two cores, and its drops are one per unit by construction). The count, not the time (llama.cpp's own
+    quantizer behind the suite's stand-in tool)."""
     import tempfile
 
     import mosaic
     from mosaic.testing.gguf import Geometry, imatrix_targets, imatrix_values, write_imatrix, write_llama_gguf
     from mosaic.testing.quantize_tool import write_tool
 
-    out: dict[tuple[int, int], int] = {}
+    out: dict[tuple[int, int | str], int] = {}
     with tempfile.TemporaryDirectory(dir=DATA) as tmp:
         d = Path(tmp)
         rows = d / "rows.txt"
@@ -632,13 +633,18 @@ def depth_passes(layers: tuple[int, ...] = (30, 60), sample: int = 4) -> dict[tu
                 doc = mosaic.measure(ladder=d / f"{n}-rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,
                                      unit="module-group", sample_layers=k, out=d / f"{n}-{k}.json").document
                 out[(n, k)] = int(doc["forward_passes"])
+            for cal in ("pooled", "groups"):
+                doc = mosaic.measure(ladder=d / f"{n}-rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,
+                                     unit="module-group", calibrate=cal, out=d / f"{n}-{cal}.json").document
+                out[(n, cal)] = int(doc["forward_passes"])
     return out
 
 
 def _depth_rows(case: str) -> None:
     got = depth_passes()
-    row(case, "forward passes at 30 and 60 layers: --sample-layers 4", f"{got[(30, 4)]} / {got[(60, 4)]}",
-        "the same" if got[(30, 4)] == got[(60, 4)] else f"grows {got[(60, 4)] / got[(30, 4)]:.2f} × with twice the layers")
+    for k, what in ((4, "--sample-layers 4"), ("pooled", "--calibrate pooled"), ("groups", "--calibrate groups")):
+        row(case, f"forward passes at 30 and 60 layers: {what}", f"{got[(30, k)]} / {got[(60, k)]}",
+            "the same" if got[(30, k)] == got[(60, k)] else f"grows {got[(60, k)] / got[(30, k)]:.2f} × with twice the layers")
     row(case, "forward passes at 30 layers: the default (every layer's drops)", f"{got[(30, 0)]}",
         "one drop per unit: 7 more with every layer")
 
