@@ -55,6 +55,7 @@ def test_every_layer_is_measured_unless_a_sample_is_asked_for() -> None:
     ({"calibrate": "groups", "curve": "line", "shard": "1/2"}, "--calibrate groups .* not with --shard"),
     ({"calibrate": "groups", "curve": "line", "refine": 1, "max_size": 10}, "not with --calibrate groups"),
     ({"sample_layers": 3, "calibrate": "groups"}, "goes with --calibrate kinds"),
+    ({"calibrate": "groups", "curve": "two-point"}, "not with --calibrate groups"),
     ({"sample_layers": 3, "only_layers": "0-3"}, "give one of them"),
     ({"sample_layers": 3, "refine": 1, "max_size": 10, "curve": "line"}, "not with --sample-layers"),
     ({"sample_layers": -1}, "a number of layers"),
@@ -175,8 +176,8 @@ def _grouped(seed: int, layers: int, noise: float) -> tuple[list[dict], list[dic
     version together cost the sum of their drops, with noise of a pass's standard error."""
     from mosaic._measure.calibrate import drop_groups
 
-    rng = np.random.default_rng(seed)
     rows, _, _ = _scored(seed, layers, [], noise)
+    rng = np.random.default_rng([seed, 1])  # a stream of its own: the groups' noise owes nothing to the units' scales
     eps = {(unit_key(r["layer"], r["group"]), r["donor"]): r["eps"] for r in rows}
     groups = []
     for group, alpha in KINDS.items():
@@ -243,6 +244,10 @@ def _model(tmp: Path, layers: int) -> dict[str, Path]:
 
 def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_30(tmp_path: Path) -> None:
     needs_runtime()
+    from rich.console import Console
+
+    from mosaic.cli.render import render_measurement
+
     docs, pooled, grouped = {}, {}, {}
     for layers in (30, 60):
         m = _model(tmp_path / str(layers), layers)
@@ -280,6 +285,9 @@ def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_3
         assert set(doc["calibration"]) >= kinds and all(doc["calibration"][k]["units"] == layers for k in kinds)
         versions = {"base", *doc["donors"]}
         assert all(len(g["to"]) == len(g["units"]) and set(g["to"]) <= versions for g in doc["groups"])
+        console = Console(record=True, width=400)
+        render_measurement(console, doc, tmp_path / "m.json")
+        assert f"{len(doc['groups'])} passes each dropping a group of a kind's units together" in console.export_text()
 
 
 def test_no_pooled_pass_runs_for_a_version_no_plan_can_take(tmp_path: Path) -> None:

@@ -637,8 +637,8 @@ def measure(
     unit its own), ``"kinds"`` (each kind of unit pooled over ``only_layers``, given to every layer) or
     ``"pooled"`` (with ``curve="versions"``: each kind's from its pooled pass at its drop version) or ``"groups"``
     (each kind's from 4 passes that each drop every 4th of its units, in depth order, at their drop versions
-    together); under these two no unit has a drop of its own, so the passes do not grow with the layers (not the
-    default: bench/RESULTS.md).
+    together); under these two only a kind of one unit (the embedding, the output) has a drop of its own, so the
+    passes do not grow with the layers (not the default: bench/RESULTS.md).
     ``curve``: ``"line"`` (one drop per unit), ``"two-point"`` (a second drop, to the version nearest the
     log-midpoint of the top's and the worst's weight errors: each unit's loss as two lines) or ``"versions"``
     (each kind's measured units moved together to each of their versions, one forward pass per kind and version:

@@ -166,8 +166,8 @@ def _check_request(req: MeasureRequest, asked: MeasureRequest) -> Shard | None:
         raise MosaicError(f"--curve {req.curve}: one of {', '.join(CURVES)}")
     if req.curve != "line" and req.method != "top-down":
         raise MosaicError(f"--curve {req.curve} shapes the drops of --method top-down, not of --method {req.method}")
-    if req.curve == "two-point" and req.calibrate == "kinds":
-        raise MosaicError(f"--curve {req.curve} gives each unit a curve of its own: not with --calibrate kinds")
+    if req.curve == "two-point" and req.calibrate in KIND_CALIBRATIONS:
+        raise MosaicError(f"--curve {req.curve} gives each unit a curve of its own: not with --calibrate {req.calibrate}")
     if req.curve == "versions" and req.shard is not None:
         raise MosaicError("--curve versions moves each kind's units together, across every layer: not with --shard"
                           + ("" if asked.curve else " (versions is the default curve; --curve line shards)"))
@@ -682,7 +682,8 @@ def _run(req: MeasureRequest, journal: Journal, plan: _Plan, rows: Rows, referen
             assert scorer is not None
             if i == len(ends):
                 _same_as_base(plan, marks["base"], same, journal)
-                advance = progress.step(f"{len(jobs)} candidates ({len(done) + len(dropped)} measured before)", len(jobs))
+                before = len(done) + len(dropped) + len(mid_done) + len(pooled_done) + len(groups_done)
+                advance = progress.step(f"{len(jobs)} candidates ({before} measured before)", len(jobs))
             t0 = time.monotonic()
             then = (seq[i + 1][0], seq[i + 1][1]) if i + 1 < len(seq) else None
             journal.add(record(scorer.score(versions, name, then), t0))

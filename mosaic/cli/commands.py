@@ -420,7 +420,8 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
               help="top-down: each unit's own sensitivity, or one per kind of unit pooled over --only-layers (default every "
                    "layer) and given to every layer; pooled: one per kind read from its pooled pass at its drop version "
                    "(--curve versions); groups: one per kind from 4 passes, each dropping every 4th of its units "
-                   "together. With pooled or groups no unit has a drop of its own: the passes do not grow with the layers. "
+                   "together. With pooled or groups only a kind of one unit (the embedding, the output) has a drop of its own: "
+                   "the passes do not grow with the layers. "
                    "[default: kinds over --ladder, units otherwise]")
 @click.option("--curve", type=click.Choice(["line", "two-point", "versions"]), default=None,
               help="top-down: each unit's loss as the line through its drop to its worst version; two-point: two lines "

@@ -395,6 +395,9 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
         if quiet:  # a plan orders units by their drops: those inside their noise are ordered by chance
             console.print(f"{quiet} of {len(doc['measured'])} drops are within two standard errors of none: the rows "
                           "measured cannot tell them apart (more rows can)")
+    if doc.get("groups"):
+        console.print(f"{len(doc['groups'])} passes each dropping a group of a kind's units together "
+                      f"({', '.join(sorted({lit(g['kind']) for g in doc['groups']}))}): their kinds' alphas")
     for kind, c in (doc.get("calibration") or {}).items():
         console.print(f"kind {lit(kind)}: alpha {c['alpha']:.4g} ± {c['alpha_se']:.2g} from {c['units']} units")
     pooled: dict[str, list[str]] = {}
