@@ -176,8 +176,7 @@ def pooled_alphas(pooled: Sequence[Mapping[str, object]], rows: Sequence[Mapping
     moved, the pass's standard error over the same sum; a kind with no such pass (one unit, whose drop is that
     pass) from its measured drops, as ``kinds``."""
     top = _tops(rows)
-    eps = {(unit_key(r["layer"], r["group"]), str(r["donor"])): float(r["eps"]) for r in rows}  # type: ignore[arg-type]
-    eps |= {(unit_key(r["layer"], r["group"]), BASE): float(r["eps_base"]) for r in rows}  # type: ignore[arg-type]
+    eps = _eps(rows)
     out = dict(kind_alphas(measured))
     for p in pooled:
         if not p.get("alpha"):
@@ -208,8 +207,7 @@ def group_alphas(groups: Sequence[Mapping[str, object]], rows: Sequence[Mapping[
     errors in quadrature over the same sum: :func:`kind_alphas` with a group's pass in place of its units' drops
     summed. A kind with no group (one unit, whose drop is its group) from its measured drop, as ``kinds``."""
     top = _tops(rows)
-    eps = {(unit_key(r["layer"], r["group"]), str(r["donor"])): float(r["eps"]) for r in rows}  # type: ignore[arg-type]
-    eps |= {(unit_key(r["layer"], r["group"]), BASE): float(r["eps_base"]) for r in rows}  # type: ignore[arg-type]
+    eps = _eps(rows)
     num: dict[str, float] = {}
     den: dict[str, float] = {}
     var: dict[str, float] = {}
@@ -257,11 +255,7 @@ def version_factors(pooled: Sequence[Mapping[str, object]], measured: Sequence[M
     credible ratio, at least 0 (1 where the line predicted nothing)."""
     alpha = _alphas(measured, calibrate, pooled, rows, groups)
     top = _tops(rows)
-    eps: dict[tuple[str, str], float] = {}
-    for r in rows:
-        key = unit_key(r["layer"], r["group"])  # type: ignore[arg-type]
-        eps[(key, str(r["donor"]))] = float(r["eps"])  # type: ignore[arg-type]
-        eps[(key, BASE)] = float(r["eps_base"])  # type: ignore[arg-type]
+    eps = _eps(rows)
     out = []
     for p in pooled:
         pred = 0.0
@@ -308,6 +302,13 @@ def fill(rows: Sequence[dict], measured: Sequence[Mapping[str, object]], calibra
         span = factors.get((k, r["donor"]), 1.0) * (r["eps"] - e_top) - factors.get((k, BASE), 1.0) * (r["eps_base"] - e_top)
         out.append(_loss_row(r, a.value * span, a.se * abs(span), base_kl))
     return out
+
+
+def _eps(rows: Sequence[Mapping[str, object]]) -> dict[tuple[str, str], float]:
+    """``{(unit key, version): weight error}`` of every row's donor and its base."""
+    eps = {(unit_key(r["layer"], r["group"]), str(r["donor"])): float(r["eps"]) for r in rows}  # type: ignore[arg-type]
+    eps |= {(unit_key(r["layer"], r["group"]), BASE): float(r["eps_base"]) for r in rows}  # type: ignore[arg-type]
+    return eps
 
 
 def _tops(rows: Sequence[Mapping[str, object]]) -> dict[str, float]:
