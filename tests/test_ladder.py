@@ -179,6 +179,27 @@ def test_a_failed_or_killed_tool_leaves_no_rung_it_did_not_finish(made: dict[str
     assert not (tmp_path / "half.lock").exists()
 
 
+def test_what_a_run_killed_outright_left_is_removed_by_the_next(made: dict[str, Path], tmp_path: Path) -> None:
+    """SIGKILL skips the rung's own clean-up: the half-written file, as big as a rung, would stay for good."""
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    out = tmp_path / "rungs"
+    out.mkdir()
+    stale = out / f".wide-F16-Q8_0.gguf.partial-{gone.pid}"
+    stale.write_bytes(b"GGUF" + bytes(4096))
+    live = out / f".wide-F16-Q8_0.gguf.partial-{os.getppid()}"  # a process that is still there: not ours to remove
+    live.write_bytes(b"GGUF")
+    keep = out / "notes.txt"
+    keep.write_text("mine")
+    r = run_cli(["ladder", str(made["src"]), "--out", str(out), "--types", "Q8_0", "--llama-quantize", str(made["tool"])])
+    assert r.returncode == 0, r.stderr
+    assert not stale.exists() and live.exists() and keep.read_text() == "mine"
+    assert stale.name in r.stdout + r.stderr
+    assert (out / "wide-F16-Q8_0.gguf").is_file()
+
+
 def test_bad_input_is_one_line_and_touches_nothing(made: dict[str, Path], tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MOSAIC_LLAMA_QUANTIZE"}
     env["PATH"] = str(tmp_path / "empty-path")

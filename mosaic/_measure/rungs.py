@@ -32,7 +32,7 @@ from pathlib import Path
 
 from mosaic._base.errors import FormatError, MosaicError, SourceError
 from mosaic._base.hashing import digest_file
-from mosaic._base.lock import output_lock
+from mosaic._base.lock import output_lock, pid_alive
 from mosaic._base.progress import SILENT, Reporter
 from mosaic._checkpoint.gguf_model import GGUFModel, open_gguf_model
 from mosaic._formats.gguf_container import type_name
@@ -312,6 +312,9 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
     requantize = any(type_name(t.type_id) not in _PLAIN for t in source.tensors)
     with output_lock(out, "mosaic ladder"):
         out.mkdir(parents=True, exist_ok=True)
+        stale = _remove_stale_partials(out)
+        if stale:
+            req.notes.append(f"{out}: removed what a killed run left half written: {', '.join(stale)}")
         src_digest = digest_file(source_path)
         tool_sha = digest_file(tool).sha256
         imatrix_rec = None
@@ -372,6 +375,22 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
         doc["rungs"].sort(key=lambda r: order.get(r["type"], len(order)))
         _write_manifest(out, doc)
     return doc
+
+
+_PARTIAL = re.compile(r"^\..+\.partial-(\d+)$")
+
+
+def _remove_stale_partials(out: Path) -> list[str]:
+    """A run killed outright (SIGKILL, a lost machine) never reaches its ``finally``: its half-written rung stays
+    as ``.<file>.partial-<pid>``, as big as the file it was becoming. The folder's lock is ours, so no other ladder
+    writes here; a partial whose process is gone is removed before the rungs are made again."""
+    removed = []
+    for p in sorted(out.iterdir()):
+        m = _PARTIAL.match(p.name)
+        if m and p.is_file() and not p.is_symlink() and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            p.unlink()
+            removed.append(p.name)
+    return removed
 
 
 def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem: str, rung_type: str, threads: int,
