@@ -323,7 +323,7 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
             imatrix_rec = {"sha256": isha, "format": matrix.format, "file": f"imatrix-{isha[:16]}.{matrix.format}"}
             handed = out / imatrix_rec["file"]
             if not handed.is_file() or digest_file(handed).sha256 != isha:
-                tmp = out / f".{imatrix_rec['file']}.partial-{os.getpid()}"
+                tmp = out / _partial(imatrix_rec["file"])
                 shutil.copyfile(matrix.path, tmp)
                 os.replace(tmp, handed)
         source_rec = {"file": str(source_path), "sha256": src_digest.sha256, "bytes": src_digest.size}
@@ -380,6 +380,12 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
 _PARTIAL = re.compile(r"^\..+\.partial-(\d+)$")
 
 
+def _partial(name: str) -> str:
+    """The temporary name a file of the folder is written under until it is whole: hidden, never ``.gguf``, and
+    naming its writer's process, so that :func:`_remove_stale_partials` can tell a dead run's from a live one's."""
+    return f".{name}.partial-{os.getpid()}"
+
+
 def _remove_stale_partials(out: Path) -> list[str]:
     """A run killed outright (SIGKILL, a lost machine) never reaches its ``finally``: its half-written rung stays
     as ``.<file>.partial-<pid>``, as big as the file it was becoming. The folder's lock is ours, so no other ladder
@@ -398,7 +404,7 @@ def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem
     """One rung: the tool run into a temporary name that does not end in ``.gguf``, read back, hashed, renamed;
     removed on any failure (Ctrl-C included)."""
     final = f"{stem}-{rung_type}.gguf"
-    tmp = f".{final}.partial-{os.getpid()}"
+    tmp = _partial(final)
     argv = rung_command(tool, source_path.resolve(), tmp, rung_type, threads,
                         imatrix_name=None if imatrix_rec is None else imatrix_rec["file"], planned=planned,
                         requantize=requantize)
