@@ -158,6 +158,42 @@ def test_a_rung_made_of_the_same_inputs_is_kept_and_a_changed_one_made_again(mad
     assert any("other inputs" in n for n in res.notes)
 
 
+def test_bits_per_weight_are_llama_cpps_and_the_floor_leaves_out_the_types_under_it() -> None:
+    from mosaic._sources.rung_set import TYPES, bits_per_weight, default_types
+
+    # llama.cpp's own figures (its quantize tool's table, ggml's block sizes)
+    assert {t: bits_per_weight(t) for t in ("IQ1_S", "IQ2_XS", "IQ2_S", "Q2_K", "Q4_0", "Q4_K", "Q6_K", "Q8_0")} == {
+        "IQ1_S": 1.5625, "IQ2_XS": 2.3125, "IQ2_S": 2.5625, "Q2_K": 2.625, "Q4_0": 4.5, "Q4_K": 4.5, "Q6_K": 6.5625,
+        "Q8_0": 8.5}
+    assert default_types(True) == list(TYPES)
+    assert default_types(True, 2.5) == [t for t in TYPES if t not in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS")]
+    assert default_types(False, 2.5) == [t for t in default_types(False)]  # those four need a matrix anyway
+    assert default_types(True, 6.5) == ["Q6_K", "Q8_0"]
+
+
+def test_a_floor_makes_no_rung_under_it_and_takes_an_earlier_runs_out_of_the_manifest(made: dict[str, Path],
+                                                                                      tmp_path: Path) -> None:
+    out = tmp_path / "floor"
+    shutil.copytree(made["rungs"], out)
+    before = {p.name for p in out.glob("*.gguf")}
+    r = run_cli(["ladder", str(made["src"]), "--out", str(out), "--min-bpw", "6", "--llama-quantize", str(made["tool"]), "--json"])
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    # the default types of 6 bits a weight or more (no matrix): Q5_1 made, Q6_K and Q8_0 kept from the earlier run
+    assert [x["type"] for x in doc["rungs"]] == ["Q5_1", "Q6_K", "Q8_0"]
+    assert json.loads((out / "ladder.json").read_text()) == doc
+    assert {p.name for p in out.glob("*.gguf")} == before | {"wide-F16-Q5_1.gguf"}  # their files stay: nothing is lost
+    res = mosaic.ladder(made["src"], out=out, min_bpw=6, llama_quantize=made["tool"])
+    assert res.rungs == doc["rungs"] and not res.notes
+    # the rungs left out are named, with their files; measure and plan read the manifest, so they no longer take them
+    again = tmp_path / "again"
+    shutil.copytree(made["rungs"], again)
+    res = mosaic.ladder(made["src"], out=again, types="Q6_K,Q8_0", min_bpw=5, llama_quantize=made["tool"])
+    assert [x["type"] for x in res.rungs] == ["Q5_0", "Q6_K", "Q8_0"]  # Q5_0 (5.5 bits) kept: over the floor
+    assert list(res.notes) == [f"IQ4_NL, Q4_0, Q4_K: under --min-bpw 5, left out of ladder.json; their files stay in {again} "
+                         "(wide-F16-IQ4_NL.gguf, wide-F16-Q4_0.gguf, wide-F16-Q4_K.gguf)"]
+
+
 def test_a_failed_or_killed_tool_leaves_no_rung_it_did_not_finish(made: dict[str, Path], tmp_path: Path) -> None:
     out_arg = 'eval "o=\\${$(($#-2))}"; '  # the output is the third argument from the end
     for name, body in (("half", out_arg + 'printf GGUF > "$o"; echo "died half way" >&2; exit 1\n'),
@@ -225,6 +261,13 @@ def test_bad_input_is_one_line_and_touches_nothing(made: dict[str, Path], tmp_pa
     assert "input width is 256" in one_line(["ladder", str(made["src"]), "--out", str(out), "--imatrix", str(other), *tool])
     assert "needs an importance matrix" in one_line(["ladder", str(made["src"]), "--out", str(out), "--types", "IQ1_S", *tool])
     assert "Q9_9 is not a type" in one_line(["ladder", str(made["src"]), "--out", str(out), "--types", "Q9_9", *tool])
+    assert "Q4_0 has 4.5 bits per weight, under --min-bpw 5" in one_line(
+        ["ladder", str(made["src"]), "--out", str(out), "--types", "Q8_0,Q4_0", "--min-bpw", "5", *tool])
+    assert "no type a rung can hold has that many bits per weight (the most: 8.5, Q8_0)" in one_line(
+        ["ladder", str(made["src"]), "--out", str(out), "--min-bpw", "9", *tool])
+    for bad in ("0", "-1", "nan", "inf"):
+        assert "expected a number of bits per weight above 0" in one_line(
+            ["ladder", str(made["src"]), "--out", str(out), "--min-bpw", bad, *tool])
     assert not out.exists()
     # the folder is locked while a ladder is made there
     from tests.test_lock import held_elsewhere

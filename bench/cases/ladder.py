@@ -13,7 +13,8 @@ The rivals, at sizes below the teacher's own: llama.cpp's stock types made with 
 from its author's fork by ``../shared/tools/target-size.sh``; ``MOSAIC_BENCH_TARGET_SIZE`` names the build
 without Q4_1, for SmolLM2's Q4_1 teacher, ``MOSAIC_BENCH_TARGET_SIZE_ALL`` the one with every type). mosaic's
 plans are held to the same bytes: ``mosaic ladder`` of the teacher, ``mosaic measure --ladder``, ``mosaic plan
---max-size``, ``mosaic build``.
+--max-size``, ``mosaic build``. The ladder is made with ``--min-bpw 2.5`` (:data:`MIN_BPW`): no plan of those sizes
+takes the four types under it, and the plans were the same without them on both models.
 
 What runs (``what``):
 - ``default``: the measurement ``mosaic measure --ladder DIR --imatrix M`` makes with no method flag, its plans at
@@ -58,6 +59,17 @@ CALIBRATION = "tests/data/calibration.txt"
 ALL_TYPES = ("IQ1_S,IQ1_M,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ4_XS,IQ4_NL,Q2_K,Q3_K,Q4_0,Q4_1,Q4_K,Q5_0,Q5_1,Q5_K,"
              "Q6_K,Q8_0")
 NO_Q41 = ",".join(t for t in ALL_TYPES.split(",") if t != "Q4_1")
+#: ``mosaic ladder --min-bpw``: the ladder's types less the four under 2.5 bits a weight (IQ1_S, IQ1_M, IQ2_XXS,
+#: IQ2_XS), chosen by the rule of RESULTS.md's "A ladder without the four types under 2.5 bits"; target-size keeps
+#: them all.
+MIN_BPW = 2.5
+
+
+def ladder_types(types: str) -> str:
+    """``types`` less those ``--min-bpw MIN_BPW`` leaves out (a type named under the floor is refused)."""
+    from mosaic._sources.rung_set import bits_per_weight
+
+    return ",".join(t for t in types.split(",") if bits_per_weight(t) >= MIN_BPW)
 #: The goal: a plan's held-out KL at most this much of target-size's at the same bytes, and its p99 no worse.
 GOAL = 0.85
 #: Built plans held on disk at once while they are scored (each a model's size).
@@ -409,7 +421,8 @@ def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Pat
            ) -> dict[str, dict]:
     """The ladder, the measurement(s), every plan at every budget, built and scored two at a time."""
     _timed(costs, "mosaic ladder", [*MOSAIC, "ladder", str(teacher), "--out", str(ladder_dir), "--imatrix", str(model.imatrix),
-                                    "--types", model.types, "--llama-quantize", str(_tool("llama-quantize")),
+                                    "--types", ladder_types(model.types), "--min-bpw", str(MIN_BPW),
+                                    "--llama-quantize", str(_tool("llama-quantize")),
                                     *(["--lean"] if model.lean else [])], env=env)
     for r in json.loads((ladder_dir / "ladder.json").read_text())["rungs"]:
         if "seconds" in r:  # a rung kept from an earlier run keeps its own time

@@ -723,6 +723,7 @@ def ladder(
     llama_quantize: PathLike | None = None,
     threads: int | None = None,
     lean: bool = False,
+    min_bpw: float | None = None,
     progress: Progress = False,
 ) -> LadderResult:
     """Make the donors of a model from its own source: one GGUF per ggml type in ``out``, every quantizable
@@ -732,8 +733,10 @@ def ladder(
     still intact is kept. ``types``: ggml type names (default: every type llama.cpp's own mixer considers, less
     those that need a matrix when none is given). ``lean``: a tensor at a type of no fewer bytes than its own in
     the source keeps its source bytes there (no plan would take that version), and a type no tensor takes is not
-    made: a smaller, quicker ladder of a quantized source. :func:`measure` and :func:`plan` take the folder as
-    ``ladder``.
+    made: a smaller, quicker ladder of a quantized source. ``min_bpw``: the types of fewer bits per weight are
+    not made (2.5 leaves out IQ1_S, IQ1_M, IQ2_XXS and IQ2_XS, the slowest rungs to make, which no plan of 2.5 bits a
+    weight or more took on the bench's models), and rungs of them an earlier run made leave the manifest.
+    :func:`measure` and :func:`plan` take the folder as ``ladder``.
 
     >>> from mosaic.testing.gguf import Geometry, write_llama_gguf
     >>> from mosaic.testing.quantize_tool import write_tool
@@ -747,7 +750,7 @@ def ladder(
     _in_range("--threads", threads, 1, 1024)
     type_text = types if types is None or isinstance(types, str) else ",".join(types)
     req = LadderRequest(os.fspath(source), Path(out), None if imatrix is None else os.fspath(imatrix), type_text,
-                        None if llama_quantize is None else os.fspath(llama_quantize), threads, lean=lean)
+                        None if llama_quantize is None else os.fspath(llama_quantize), threads, lean=lean, min_bpw=min_bpw)
     with _running(progress, unit="rungs") as r:
         doc = make_ladder(req, r)
     return LadderResult(Path(out), doc, tuple(req.notes))

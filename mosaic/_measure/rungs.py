@@ -42,6 +42,7 @@ from mosaic._sources.rung_set import (
     LADDER_FILE,
     NEEDS_IMATRIX,
     SCHEMA_ID,
+    bits_per_weight,
     manifest_errors,
     parse_types,
     rung_intact,
@@ -64,6 +65,7 @@ class LadderRequest:
     llama_quantize: str | None = None
     threads: int | None = None
     lean: bool = False  # a tensor whose source type has no more bytes than the rung's kept at it; types none takes not made
+    min_bpw: float | None = None  # the types of fewer bits per weight are not made
     notes: list[str] = field(default_factory=list)
 
 
@@ -288,7 +290,7 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
     from mosaic._eval.runtime import default_threads
     from mosaic._measure.importance import local_path
 
-    types = parse_types(req.types, req.imatrix is not None)
+    types = parse_types(req.types, req.imatrix is not None, req.min_bpw)
     tool = find_tool(req.llama_quantize)
     source_path = Path(req.source)
     source = _open_source(req.source)
@@ -369,8 +371,14 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
             doc["rungs"].append(rec)
             _write_manifest(out, {**doc, "rungs": sorted(doc["rungs"], key=lambda r: types.index(r["type"]))})
             advance(1)
-        # the rungs of other types an earlier run made of the same inputs stay in the ladder
-        doc["rungs"] += [r for t, r in kept.items() if t not in types]
+        # the rungs of other types an earlier run made of the same inputs stay in the ladder, but for those under
+        # --min-bpw: the floor is asked of the ladder measure and plan read, not only of the rungs made now
+        others = [r for t, r in kept.items() if t not in types]
+        under = [r for r in others if req.min_bpw is not None and bits_per_weight(r["type"]) < req.min_bpw]
+        if under:
+            req.notes.append(f"{', '.join(r['type'] for r in under)}: under --min-bpw {req.min_bpw:g}, left out of "
+                             f"{LADDER_FILE}; their files stay in {out} ({', '.join(r['file'] for r in under)})")
+        doc["rungs"] += [r for r in others if r not in under]
         order = {t: i for i, t in enumerate(FTYPE_OF)}
         doc["rungs"].sort(key=lambda r: order.get(r["type"], len(order)))
         _write_manifest(out, doc)

@@ -12,6 +12,7 @@ lower case, each file checked against the manifest's SHA-256 before it is used.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -45,16 +46,31 @@ NEEDS_IMATRIX: dict[str, str] = {
 TYPES = tuple(FTYPE_OF)
 
 
-def default_types(with_imatrix: bool) -> list[str]:
-    """Every type llama.cpp's own mixer considers, less those that need a matrix when there is none."""
-    return [t for t in TYPES if with_imatrix or t not in NEEDS_IMATRIX]
+def bits_per_weight(type_name: str) -> float:
+    """A ggml type's bits per weight: its block's bytes over the weights the block holds (IQ2_S 2.5625)."""
+    from mosaic._formats.gguf_container import quant_types
+
+    return next(8 * ts / bs for name, bs, ts in quant_types().values() if name == type_name)
 
 
-def parse_types(text: str | None, with_imatrix: bool) -> list[str]:
-    """``--types Q4_K,IQ4_XS,...`` in the contract's order, each once; an unknown type, or one that needs an
-    importance matrix without one, is refused naming it."""
+def default_types(with_imatrix: bool, min_bpw: float | None = None) -> list[str]:
+    """Every type llama.cpp's own mixer considers, less those that need a matrix when there is none and, with
+    ``min_bpw``, those of fewer bits per weight."""
+    return [t for t in TYPES if (with_imatrix or t not in NEEDS_IMATRIX) and (min_bpw is None or bits_per_weight(t) >= min_bpw)]
+
+
+def parse_types(text: str | None, with_imatrix: bool, min_bpw: float | None = None) -> list[str]:
+    """``--types Q4_K,IQ4_XS,...`` in the contract's order, each once; an unknown type, one that needs an
+    importance matrix without one, or one under ``--min-bpw``, is refused naming it: a type named and a floor
+    that excludes it contradict each other, and neither is the one to drop silently."""
+    if min_bpw is not None and not (isinstance(min_bpw, (int, float)) and math.isfinite(min_bpw) and min_bpw > 0):
+        raise MosaicError(f"--min-bpw {min_bpw}: expected a number of bits per weight above 0 (e.g. 2.5)")
     if text is None:
-        return default_types(with_imatrix)
+        types = default_types(with_imatrix, min_bpw)
+        if not types:
+            raise MosaicError(f"--min-bpw {min_bpw:g}: no type a rung can hold has that many bits per weight "
+                              f"(the most: {max(map(bits_per_weight, TYPES)):g}, Q8_0)")
+        return types
     asked = [t.strip().upper() for t in text.split(",") if t.strip()]
     if not asked:
         raise MosaicError("--types: name at least one ggml type (e.g. Q4_K,IQ4_XS,Q8_0)")
@@ -64,6 +80,9 @@ def parse_types(text: str | None, with_imatrix: bool) -> list[str]:
         if t in NEEDS_IMATRIX and not with_imatrix:
             raise MosaicError(f"--types: {t} needs an importance matrix (llama-quantize refuses it without one); "
                               "give --imatrix FILE, or leave it out")
+        if min_bpw is not None and bits_per_weight(t) < min_bpw:
+            raise MosaicError(f"--types: {t} has {bits_per_weight(t):g} bits per weight, under --min-bpw {min_bpw:g}; "
+                              "leave one of them out")
     return [t for t in TYPES if t in asked]
 
 
