@@ -20,7 +20,7 @@ from tests.test_ladder import WIDE
 #: The defaults as chosen: over a ladder by the rule of bench/RESULTS.md ("Choosing the ladder's default on two
 #: models"), over published quantizations by the README's table of them. A change of default is a change of these
 #: lines, with the evidence that made it.
-CHOSEN = {"ladder": {"imatrix_cap": True, "calibrate": "kinds", "curve": "versions", "sample_layers": 0},
+CHOSEN = {"ladder": {"imatrix_cap": True, "calibrate": "pooled", "curve": "versions", "sample_layers": 0},
           "donors": {"imatrix_cap": False, "calibrate": "units", "curve": "line", "sample_layers": 0}}
 
 
@@ -48,7 +48,8 @@ def test_the_help_says_the_defaults() -> None:
 
     text = " ".join(CliRunner().invoke(main, ["measure", "--help"]).output.split())
     on = {True: "on", False: "off"}
-    assert f"[default: {CHOSEN['ladder']['calibrate']} over --ladder, {CHOSEN['donors']['calibrate']} otherwise]" in text
+    assert (f"[default: {CHOSEN['ladder']['calibrate']} over --ladder (kinds with --curve line or --sample-layers), "
+            f"{CHOSEN['donors']['calibrate']} otherwise]") in text
     assert f"[default: {CHOSEN['ladder']['curve']} over --ladder, {CHOSEN['donors']['curve']} otherwise;" in text
     assert (f"[default with --imatrix: {on[CHOSEN['ladder']['imatrix_cap']]} over --ladder, "
             f"{on[CHOSEN['donors']['imatrix_cap']]} otherwise]") in text
@@ -62,6 +63,8 @@ def test_the_help_says_the_defaults() -> None:
                                    {"calibrate": "kinds", "curve": "versions", "imatrix_cap": True}])
 def test_a_flag_given_is_kept_and_the_others_default(where: str, given: dict[str, object]) -> None:
     want = {**CHOSEN[where], **given}
+    if "calibrate" not in given and want["calibrate"] == "pooled" and want["curve"] != "versions":
+        want["calibrate"] = "kinds"  # the pooled alpha is read from the versions curve's passes
     if want["calibrate"] != "kinds":
         want["sample_layers"] = 0  # a sample of layers fits kinds; per unit, every unit's drop runs
     assert _method(_req(where, **given)) == want
@@ -75,6 +78,8 @@ def test_defaults_yield_to_what_they_cannot_go_with(where: str) -> None:
     assert (weights["calibrate"], weights["curve"]) == ("units", "line")  # nothing is calibrated by passes
     swaps = _method(_req(where, method="swaps"))
     assert (swaps["calibrate"], swaps["curve"]) == ("units", "line")
+    if where == "ladder":  # a sample of layers' drops fits each kind's factor: the pooled alpha yields to kinds
+        assert _method(_req(where, sample_layers=4)) == {**CHOSEN[where], "calibrate": "kinds", "sample_layers": 4}
 
 
 @pytest.fixture(scope="module")

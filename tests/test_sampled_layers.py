@@ -242,7 +242,7 @@ def _model(tmp: Path, layers: int) -> dict[str, Path]:
     return {"source": src, "imatrix": imatrix, "rungs": tmp / "rungs", "rows": rows}
 
 
-def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_30(tmp_path: Path) -> None:
+def test_the_default_and_a_sampled_measurement_make_as_many_forward_passes_at_60_layers_as_at_30(tmp_path: Path) -> None:
     needs_runtime()
     from rich.console import Console
 
@@ -257,9 +257,10 @@ def test_a_sampled_measurement_makes_as_many_forward_passes_at_60_layers_as_at_3
         docs[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
                                       ctx=16, unit="module-group", sample_layers=SAMPLE, out=tmp_path / f"{layers}.json").document
         pooled[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
-                                        ctx=16, unit="module-group", calibrate="pooled",
-                                        out=tmp_path / f"{layers}-pooled.json").document
-    # --calibrate pooled: no layer's drops at all, the same passes at either depth
+                                        ctx=16, unit="module-group", out=tmp_path / f"{layers}-pooled.json").document
+    # the default, --calibrate pooled: no layer's drops at all, the same passes at either depth
+    assert pooled[30]["settings"]["calibrate"] == pooled[60]["settings"]["calibrate"] == "pooled"
+    assert docs[30]["settings"]["calibrate"] == "kinds"  # a sample of layers' drops fits each kind's factor
     assert pooled[30]["forward_passes"] == pooled[60]["forward_passes"] < docs[30]["forward_passes"]
     assert all(m["layer"] is None for d in pooled.values() for m in d["measured"])
     assert pooled[30]["timing"]["stages"].get("drop", {}).get("passes", 0) == pooled[60]["timing"]["stages"].get(

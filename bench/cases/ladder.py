@@ -622,10 +622,8 @@ def _cost_rows(case: str, plans: dict[str, dict], costs: dict[str, float]) -> No
 
 def depth_passes(layers: tuple[int, ...] = (30, 60), sample: int = 4) -> dict[tuple[int, int | str], int]:
     """Forward passes of a measurement over a ladder of a synthetic model of SmolLM2's kinds at each depth of
-    ``layers``: ``--sample-layers sample``, ``--calibrate pooled`` and ``--calibrate groups`` at every depth, the
-    default (every layer's drops, ``sample`` 0) at the first only (its 60-layer run is half an hour of model loads
-    on two cores, and its drops are one per unit by construction). The count, not the time (llama.cpp's own
-    quantizer behind the suite's stand-in tool)."""
+    ``layers``: the default (no method flag: ``--calibrate pooled``), ``--sample-layers sample`` and
+    ``--calibrate groups``. The count, not the time (llama.cpp's own quantizer behind the suite's stand-in tool)."""
     import tempfile
 
     import mosaic
@@ -642,24 +640,18 @@ def depth_passes(layers: tuple[int, ...] = (30, 60), sample: int = 4) -> dict[tu
             src = write_llama_gguf(d / f"{n}-F16.gguf", qtype="F16", seed=11, geometry=geo)[0]
             imatrix = write_imatrix(d / f"{n}-imatrix.gguf", imatrix_values(imatrix_targets(geo), seed=4))
             mosaic.ladder(src, out=d / f"{n}-rungs", types="Q4_0,Q8_0", imatrix=imatrix, llama_quantize=write_tool(d / "q"))
-            for k in ((0, sample) if n == layers[0] else (sample,)):
+            for key, flags in (("default", {}), (sample, {"sample_layers": sample}), ("groups", {"calibrate": "groups"})):
                 doc = mosaic.measure(ladder=d / f"{n}-rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,
-                                     unit="module-group", sample_layers=k, out=d / f"{n}-{k}.json").document
-                out[(n, k)] = int(doc["forward_passes"])
-            for cal in ("pooled", "groups"):
-                doc = mosaic.measure(ladder=d / f"{n}-rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,
-                                     unit="module-group", calibrate=cal, out=d / f"{n}-{cal}.json").document
-                out[(n, cal)] = int(doc["forward_passes"])
+                                     unit="module-group", out=d / f"{n}-{key}.json", **flags).document  # type: ignore[arg-type]
+                out[(n, key)] = int(doc["forward_passes"])
     return out
 
 
 def _depth_rows(case: str) -> None:
     got = depth_passes()
-    for k, what in ((4, "--sample-layers 4"), ("pooled", "--calibrate pooled"), ("groups", "--calibrate groups")):
+    for k, what in (("default", "the default (--calibrate pooled)"), (4, "--sample-layers 4"), ("groups", "--calibrate groups")):
         row(case, f"forward passes at 30 and 60 layers: {what}", f"{got[(30, k)]} / {got[(60, k)]}",
             "the same" if got[(30, k)] == got[(60, k)] else f"grows {got[(60, k)] / got[(30, k)]:.2f} × with twice the layers")
-    row(case, "forward passes at 30 layers: the default (every layer's drops)", f"{got[(30, 0)]}",
-        "one drop per unit: 7 more with every layer")
 
 
 def _bootstrap(model: dict, labels: list[str], sizes: tuple[str, ...], n: int = 2000) -> np.ndarray:

@@ -16,11 +16,14 @@ A flag given explicitly always wins; a default that cannot go with an explicit c
 so the curve stays a line). ``--shard`` is the exception: it cannot take the versions curve and is refused with
 the flag that makes it possible, because a sharded measurement must mean what the unsharded one means.
 
-Under ``--calibrate kinds`` a unit's own drop serves only to fit its kind's factor, and ``--sample-layers N``
-runs the drops of N layers spread over the depth, while the versions curve still moves every layer's units of a
-kind together: the forward passes are then set by the model's kinds and versions, not by its depth. It is not
-the default: on SmolLM2 no sample tried held the every-layer default's plans within the rule of bench/RESULTS.md
-("Drops from a sample of layers"), so every layer's drops run unless a sample is asked for.
+Over a ladder the default is ``--calibrate pooled``: each kind's alpha is read from the versions curve's pass that
+moves all its units to their drop version together, and only a kind of one unit (the embedding, the output) has a
+drop of its own, so the forward passes are set by the model's kinds and the ladder's types, not by its depth. It
+replaced one drop per unit (``--calibrate kinds``, 3.6 × the passes on Qwen2.5-Coder-1.5B) by the rule of
+bench/RESULTS.md ("`--calibrate pooled` on Qwen2.5-Coder-1.5B, decided on rows no choice saw"): on rows that no
+choice was made on, its plans held the drops' within one paired SE at every goal size of both models. With
+``--curve line`` (no pooled passes) or ``--sample-layers N`` the ladder's default falls back to ``kinds``. Under ``kinds``,
+``--sample-layers N`` runs the drops of N layers spread over the depth instead of every layer's.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class Method:
 
 
 #: ``--ladder DIR`` with no method flag.
-LADDER = Method(imatrix_cap=True, calibrate="kinds", curve="versions", sample_layers=0)
+LADDER = Method(imatrix_cap=True, calibrate="pooled", curve="versions", sample_layers=0)
 #: ``--base``/``--donor`` with no method flag.
 DONORS = Method(imatrix_cap=False, calibrate="units", curve="line", sample_layers=0)
 
@@ -52,7 +55,14 @@ def resolved(req: Request) -> Request:
     top_down = req.method == "top-down"
     cap = req.imatrix_cap if req.imatrix_cap is not None else (d.imatrix_cap and req.imatrix is not None)
     curve = req.curve if req.curve is not None else (d.curve if top_down and not req.refine else "line")
-    calibrate = req.calibrate if req.calibrate is not None else (d.calibrate if top_down and curve != "two-point" else "units")
+    if req.calibrate is not None:
+        calibrate = req.calibrate
+    elif not top_down or curve == "two-point":
+        calibrate = "units"
+    elif d.calibrate in ("pooled", "groups") and (curve != "versions" or req.sample_layers):
+        calibrate = "kinds"  # a pooled alpha is read from the versions curve's passes; a sample of layers' drops fits kinds
+    else:
+        calibrate = d.calibrate
     sample = (req.sample_layers if req.sample_layers is not None
               else d.sample_layers if calibrate == "kinds" and req.only_layers is None and not req.refine else 0)
     return dataclasses.replace(req, imatrix_cap=cap, curve=curve, calibrate=calibrate, sample_layers=sample)

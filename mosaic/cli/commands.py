@@ -422,7 +422,7 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
                    "(--curve versions); groups: one per kind from 4 passes, each dropping every 4th of its units "
                    "together. With pooled or groups only a kind of one unit (the embedding, the output) has a drop of its own: "
                    "the passes do not grow with the layers. "
-                   "[default: kinds over --ladder, units otherwise]")
+                   "[default: pooled over --ladder (kinds with --curve line or --sample-layers), units otherwise]")
 @click.option("--curve", type=click.Choice(["line", "two-point", "versions"]), default=None,
               help="top-down: each unit's loss as the line through its drop to its worst version; two-point: two lines "
                    "through a second drop to the version halfway (log scale) between the top's and the worst's weight "
