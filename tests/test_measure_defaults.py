@@ -17,9 +17,10 @@ from mosaic.testing.quantize_tool import write_tool
 from tests.conftest import needs_runtime, run_cli
 from tests.test_ladder import WIDE
 
-#: The defaults as chosen: over a ladder by the rule of bench/RESULTS.md ("Choosing the ladder's default on two
-#: models"), over published quantizations by the README's table of them. A change of default is a change of these
-#: lines, with the evidence that made it.
+#: The defaults as chosen: over a ladder by the rules of bench/RESULTS.md ("Choosing the ladder's default on two
+#: models"; its calibration by "`--calibrate pooled` on Qwen2.5-Coder-1.5B, decided on rows no choice saw"), over
+#: published quantizations by the README's table of them. A change of default is a change of these lines, with the
+#: evidence that made it.
 CHOSEN = {"ladder": {"imatrix_cap": True, "calibrate": "pooled", "curve": "versions", "sample_layers": 0},
           "donors": {"imatrix_cap": False, "calibrate": "units", "curve": "line", "sample_layers": 0}}
 
