@@ -610,7 +610,7 @@ def _cost_rows(case: str, plans: dict[str, dict], costs: dict[str, float]) -> No
         return
     plan, build = costs["plans"] / n, costs["builds"] / n
     # a ladder kept from an earlier run costs this run only its check: its rungs count at the times they took then
-    ladder, rung_sum = costs.get("mosaic ladder", 0.0), sum(v for k, v in costs.items() if k.startswith("rung "))
+    ladder, rung_sum = costs.get("mosaic ladder", 0.0), sum(v for _, v in rungs)
     kept = ladder < rung_sum
     first = ((rung_sum + ladder if kept else ladder) + costs.get("the teacher's top-k on the measured rows", 0.0)
              + costs["measure: the default"] + plan + build)

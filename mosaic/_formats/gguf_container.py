@@ -331,9 +331,7 @@ def _read_array(c: _Cursor, item: int, n: int, key: str) -> list:
             pos += k
         c.pos = pos
         return out
-    fmt = _SCALAR_FMT.get(item)
-    if fmt is None:
-        raise GGUFError(c.path, "kv-type", f"unknown value type {item}", key=key)
+    fmt = _SCALAR_FMT[item]  # the caller refused any other element type
     size = struct.calcsize(fmt)
     whole = min(n, (end - pos) // size)  # the elements the bytes hold: the first error is the one reading in order meets
     if item == BOOL:

@@ -68,8 +68,9 @@ def parse_types(text: str | None, with_imatrix: bool, min_bpw: float | None = No
     if text is None:
         types = default_types(with_imatrix, min_bpw)
         if not types:
+            most = max(TYPES, key=bits_per_weight)
             raise MosaicError(f"--min-bpw {min_bpw:g}: no type a rung can hold has that many bits per weight "
-                              f"(the most: {max(map(bits_per_weight, TYPES)):g}, Q8_0)")
+                              f"(the most: {bits_per_weight(most):g}, {most})")
         return types
     asked = [t.strip().upper() for t in text.split(",") if t.strip()]
     if not asked:
