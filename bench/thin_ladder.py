@@ -40,12 +40,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cases.ladder import ratio  # noqa: E402  (the bench case's paired KL ratio)
+from harness import MOSAIC  # noqa: E402
+
 from mosaic._checkpoint.gguf_model import open_gguf_model  # noqa: E402
 from mosaic._formats.gguf_container import GGUFFile, TensorInfo, read_gguf  # noqa: E402
-from mosaic._measure.calibrate import BASE, complete, kind_of, unit_key  # noqa: E402
+from mosaic._measure.calibrate import BASE, _eps, complete, kind_of, unit_key  # noqa: E402
 from mosaic._measure.cuts import write_sample  # noqa: E402
-
-MOSAIC = [sys.executable, "-m", "mosaic.cli"]
 
 
 def _tensor_rows(path: Path, g: GGUFFile, t: TensorInfo) -> np.ndarray:
@@ -66,14 +67,6 @@ def same_rows(full: Path, sampled: Path, kept: dict[str, list[list[int]]]) -> tu
         index = [si * rows + r for si, rs in enumerate(slices) for r in rs]
         same += t.type_id == s.type_id and np.array_equal(_tensor_rows(full, a, t)[index], _tensor_rows(sampled, b, s))
     return same, len(kept)
-
-
-def _eps(doc: dict) -> dict[tuple[str, str], float]:
-    out = {}
-    for r in doc["results"]:
-        key = unit_key(r["layer"], r["group"])
-        out[(key, r["donor"])], out[(key, BASE)] = float(r["eps"]), float(r["eps_base"])
-    return out
 
 
 def with_weights(doc: dict, eps: dict[tuple[str, str], float]) -> dict:
@@ -105,16 +98,6 @@ def _plan(ladder: Path, scores: Path, n: int, out: Path) -> dict[str, str]:
     return {k: "+".join(v) for k, v in picks.items()}
 
 
-def _paired(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
-    """KL(a) / KL(b) over the same rows (each row's summed KL and its positions), and its paired standard error
-    over rows (the delta method: rows are the independent units), as the bench's ladder case reports it."""
-    x, y = np.array([r[0] for r in a]), np.array([r[0] for r in b])
-    q = x.sum() / y.sum()
-    e = x - q * y
-    n = len(e)
-    return float(q), float(math.sqrt(n / (n - 1) * float((e * e).sum())) / y.sum()) if n > 1 else 0.0
-
-
 def _score(recipes: dict[str, Path], work: Path, score: list[str]) -> dict[str, list[list[float]]]:
     """Each recipe built and scored on the held-out rows against the teacher live: its rows' summed KL."""
     teacher, held, ctx = score
@@ -138,10 +121,10 @@ def _compare(ladder: Path, own_scores: Path, scores: Path, budgets: str, work: P
         got = _plan(ladder, scores, n, work / f"{label}-{n}.yaml")
         moved = sorted(k for k in set(own) | set(got) if own.get(k) != got.get(k))
         shown = ", ".join(f"{k} {own.get(k, 'base')}→{got.get(k, 'base')}" for k in moved[:8])
-        kl = "the same plan"
+        kl = "not scored (--score)" if moved else "the same plan"
         if moved and score:
             rows = _score({f"own-{n}": work / f"own-{n}.yaml", f"{label}-{n}": work / f"{label}-{n}.yaml"}, work, score)
-            q, se = _paired(rows[f"{label}-{n}"], rows[f"own-{n}"])
+            q, se = ratio({"rows": rows[f"{label}-{n}"]}, {"rows": rows[f"own-{n}"]})
             kl = (f"{sum(r[0] for r in rows[f'{label}-{n}']) / sum(r[1] for r in rows[f'{label}-{n}']):.4f}, "
                   f"{q:.3f} ± {se:.3f}")
         print(f"| {n:,} | {len(moved)} of {len(set(own) | set(got))} units upgraded{': ' + shown if moved else ''} | {kl} |")
@@ -178,7 +161,7 @@ def rows_part(a: argparse.Namespace) -> None:
                     "--unit", doc["settings"]["unit"], "--imatrix", str(matrix), "--out", str(weights), "--force"], check=True,
                    stdout=subprocess.DEVNULL)
     weights_s = time.perf_counter() - t0
-    theirs, ours = _eps(doc), _eps(json.loads(weights.read_text()))
+    theirs, ours = _eps(doc["results"]), _eps(json.loads(weights.read_text())["results"])
     logs: dict[str, list[float]] = {}
     for key, e in theirs.items():
         if e > 0 and ours.get(key, 0) > 0:
