@@ -300,7 +300,8 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
         if weights_note:
             head["notes"] = [weights_note]
         doc = {**head, "runtime": None, "seconds": round(time.monotonic() - started, 3), "seconds_per_candidate": None,
-               "forward_passes": 0, "results": [{**r, **predicted(None, r["eps_base"], r["eps"], None)} for r in rows]}
+               "forward_passes": 0, "results": [{**r, **predicted(None, r["eps_base"], r["eps"], None)} for r in rows],
+               "timing": {"load": 0, "decode": 0, "panel": 0, "stages": stages([], weights_seconds)}}
         return _write(doc, out)
     runtime = side.runtime()
     fingerprint = {"format": side.format, "base": side.base_files, "donors": side.donor_files,

@@ -2,8 +2,9 @@
 
 For a unit (one tensor kind of a layer, a layer's routed experts, a whole layer) and a version of it (the
 base's or a donor's), ``eps = Σ‖W_v − W_ref‖² / Σ‖W_ref‖²`` over the unit's tensors, the squares summed in
-float64 over the dequantized values (gguf-py's ``gguf.quants.dequantize`` for GGUF; exllamav3's
-reconstruction for EXL3). ``W_ref`` is the teacher's tensor when the teacher is a model holding it with the
+float64 over the dequantized values (for GGUF ggml's own C where a compiled llama-cpp-python is installed, checked
+bit for bit against gguf-py's ``gguf.quants.dequantize`` first, else gguf-py: :mod:`mosaic._formats.ggml_dequant`;
+exllamav3's reconstruction for EXL3). ``W_ref`` is the teacher's tensor when the teacher is a model holding it with the
 same shape, else the version with the most bits per weight among the base and the donors.
 
 Why it is worth having: the error a quantization leaves in a tensor is known exactly without running the
@@ -35,6 +36,7 @@ from mosaic._base.hashing import parallel_map
 from mosaic._base.progress import SILENT, Reporter
 from mosaic._build.digest_cache import cache_root
 from mosaic._eval.backends import exllamav3_rows
+from mosaic._formats import ggml_dequant
 from mosaic._measure.importance import Importance
 
 #: Working memory of all threads together, whatever the tensors (raw bytes, dequantized floats, float64
@@ -89,11 +91,8 @@ def chunk_elements(types: Iterable[int], threads: int, budget: int = WORK_BUDGET
 
 
 def _dequantize(raw: np.ndarray, type_id: int, what: str) -> np.ndarray:
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     try:
-        return dequantize(raw, GGMLQuantizationType(type_id)).reshape(-1)
+        return ggml_dequant.dequantize(raw, type_id)
     except (NotImplementedError, ValueError) as e:
         raise MosaicError(f"{what}: gguf-py cannot dequantize its type ({e}); the weight error of this unit is unknown") from None
 
