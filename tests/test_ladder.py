@@ -429,3 +429,78 @@ def test_a_lean_rung_keeps_the_sources_bytes_where_its_type_has_no_fewer(tmp_pat
     after = {p.name: p.stat().st_ino for p in (tmp_path / "rungs").glob("*.gguf")}
     changed = {n for n in after if after[n] != before.get(n)}
     assert changed == {q5["file"]} and next(r for r in res.rungs if r["type"] == "Q5_K")["command"] != q5["command"]
+
+
+def test_no_superseded_keeps_a_32_wide_type_only_where_no_256_wide_type_can_go() -> None:
+    """Q4_0, Q4_1, IQ4_NL, Q5_0 and Q5_1 each have a 256-wide type of no more bytes (Q4_K, IQ4_XS, Q5_K): with
+    ``--no-superseded`` a tensor whose rows that type divides keeps its source bytes in their rungs; a 576-wide
+    one (SmolLM2's) still takes them, and so does the fallback a 256-wide rung gives it."""
+    from mosaic._measure.rungs import SUPERSEDED
+
+    rows = {"blk.0.ffn_down.weight": 1536, "blk.0.attn_q.weight": 576}
+    src = dict.fromkeys(rows, "F16")
+    for t, successor in SUPERSEDED.items():
+        got = planned_types(rows, t, set(), src, {t: successor})
+        assert got == {"blk.0.ffn_down.weight": "F16", "blk.0.attn_q.weight": t}, t
+        assert planned_types(rows, t, set(), src) == dict.fromkeys(rows, t)  # without it: every tensor at the type
+        assert planned_types(rows, t, set(), src, {})["blk.0.ffn_down.weight"] == t  # its successor not made
+        # without --lean (no source bytes in a rung): the successor's own bytes, as its rung holds them
+        assert planned_types(rows, t, set(), None, {t: successor}) == {"blk.0.ffn_down.weight": successor,
+                                                                      "blk.0.attn_q.weight": t}
+    # Q2_K cannot take a 576-wide row: llama.cpp's fallback IQ4_NL stays, IQ4_XS cannot take it either
+    assert planned_types(rows, "Q2_K", set(), src, {"IQ4_NL": "IQ4_XS"}) == {"blk.0.ffn_down.weight": "Q2_K",
+                                                                           "blk.0.attn_q.weight": "IQ4_NL"}
+
+
+def test_no_superseded_rungs_are_not_made_where_every_row_divides_256(tmp_path: Path) -> None:
+    """Every row of WIDE divides 256. From a Q4_K_M source with ``--lean --no-superseded``, the Q4_0, Q5_0 and Q5_1
+    rungs would hold only copies of the source, so they are not made, and the note says which type supersedes
+    each; where Q5_K is not asked for, Q5_0 is made as before. Without ``--lean`` (from F16) the same types are not
+    made, and the rungs made are every tensor at their type."""
+    import subprocess
+
+    needs_runtime()
+    f16 = write_llama_gguf(tmp_path / "wide-F16.gguf", qtype="F16", seed=11, geometry=WIDE)[0]
+    tool = write_tool(tmp_path / "llama-quantize")
+    src = tmp_path / "wide-Q4_K_M.gguf"
+    subprocess.run([str(tool), str(f16), str(src), "Q4_K_M"], check=True, capture_output=True)
+    res = mosaic.ladder(src, out=tmp_path / "rungs", types="Q4_0,Q4_K,Q5_0,Q5_1,Q5_K,Q6_K", llama_quantize=tool,
+                        lean=True, no_superseded=True)
+    assert [r["type"] for r in res.rungs] == ["Q4_K", "Q5_K", "Q6_K"]
+    assert list(res.notes) == ["Q4_0, Q5_0, Q5_1: not made (--no-superseded): every tensor that could take them takes "
+                               "the 256-wide type that supersedes each (Q4_K, Q5_K, Q5_K)"]
+    assert sorted(p.name for p in (tmp_path / "rungs").glob("*.gguf") if "imatrix" not in p.name) == [
+        "wide-Q4_K_M-Q4_K.gguf", "wide-Q4_K_M-Q5_K.gguf", "wide-Q4_K_M-Q6_K.gguf"]
+    res = mosaic.ladder(src, out=tmp_path / "rungs-2", types="Q4_0,Q4_K,Q5_0,Q6_K", llama_quantize=tool, lean=True,
+                        no_superseded=True)
+    assert [r["type"] for r in res.rungs] == ["Q4_K", "Q5_0", "Q6_K"]
+    q50 = _tensors(tmp_path / "rungs-2" / res.rungs[1]["file"])
+    assert {t.tensor_type.name for t in q50.values() if len(t.shape) >= 2} == {"Q4_K", "Q5_0"}  # copies, and Q5_0
+    r = run_cli(["ladder", str(f16), "--out", str(tmp_path / "whole"), "--types", "Q4_0,Q4_K,Q5_1", "--no-superseded",
+                 "--llama-quantize", str(tool), "--json"])
+    assert r.returncode == 0, r.stderr
+    assert [x["type"] for x in json.loads(r.stdout)["rungs"]] == ["Q4_K", "Q5_1"]  # Q5_1's successor Q5_K not asked
+    for x in json.loads(r.stdout)["rungs"]:
+        got = _tensors(tmp_path / "whole" / x["file"])
+        assert {t.tensor_type.name for n, t in got.items() if len(t.shape) >= 2 and n.endswith(".weight")} == {x["type"]}
+
+
+def test_a_lean_rung_copies_a_substitute_the_rung_of_its_type_holds() -> None:
+    """The IQ3_XXS rung would quantize the uncovered output at IQ3_S, the IQ2_S rung the embedding at Q2_K: the
+    IQ3_S and Q2_K rungs hold those very bytes, so under ``--lean`` the two keep the source's bytes instead. A
+    substitute whose own rung is not made (Q2_K not asked for) is still quantized where it is."""
+    from mosaic._measure.rungs import copy_substitutes
+
+    rows = {"token_embd.weight": 1536, "output.weight": 1536, "blk.0.ffn_down.weight": 8960}
+    own = {"token_embd.weight": "Q4_K", "output.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K"}
+    uncovered = {"token_embd.weight", "output.weight"}
+    types = ["IQ2_S", "Q2_K", "IQ3_XXS", "IQ3_S"]
+    planned = {t: planned_types(rows, t, uncovered, own) for t in types}
+    assert planned["IQ3_XXS"]["output.weight"] == "IQ3_S" and planned["IQ2_S"]["token_embd.weight"] == "Q2_K"
+    copy_substitutes(planned, own, types)
+    assert planned["IQ3_XXS"] == {"token_embd.weight": "Q4_K", "output.weight": "Q6_K", "blk.0.ffn_down.weight": "IQ3_XXS"}
+    assert planned["IQ2_S"] == {"token_embd.weight": "Q4_K", "output.weight": "Q6_K", "blk.0.ffn_down.weight": "IQ2_S"}
+    assert planned["IQ3_S"]["output.weight"] == "IQ3_S" and planned["Q2_K"]["output.weight"] == "Q2_K"  # the holders
+    alone = {t: planned_types(rows, t, uncovered, own) for t in ("IQ2_S", "IQ3_S")}
+    copy_substitutes(alone, own, ["IQ2_S", "IQ3_S"])
+    assert alone["IQ2_S"]["output.weight"] == "Q2_K"  # no Q2_K rung: the IQ2_S rung's is the only one

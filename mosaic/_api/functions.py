@@ -724,6 +724,7 @@ def ladder(
     threads: int | None = None,
     lean: bool = False,
     min_bpw: float | None = None,
+    no_superseded: bool = False,
     progress: Progress = False,
 ) -> LadderResult:
     """Make the donors of a model from its own source: one GGUF per ggml type in ``out``, every quantizable
@@ -736,7 +737,10 @@ def ladder(
     made: a smaller, quicker ladder of a quantized source. ``min_bpw``: the types of fewer bits per weight are
     not made (2.5 leaves out IQ1_S, IQ1_M, IQ2_XXS and IQ2_XS, the slowest rungs to make, which no plan of 2.5 bits a
     weight or more took on the bench's models), and rungs of them an earlier run made leave the manifest.
-    :func:`measure` and :func:`plan` take the folder as ``ladder``.
+    ``no_superseded`` (with ``lean``): a 32-wide type (Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1) is made only for the tensors
+    whose rows the 256-wide type of no more bytes that supersedes it (Q4_K, Q4_K, IQ4_XS, Q5_K, Q5_K), made too,
+    cannot take (no plan of the bench's models took one where they can); on a model whose rows all divide 256 those
+    rungs are not made. :func:`measure` and :func:`plan` take the folder as ``ladder``.
 
     >>> from mosaic.testing.gguf import Geometry, write_llama_gguf
     >>> from mosaic.testing.quantize_tool import write_tool
@@ -750,7 +754,8 @@ def ladder(
     _in_range("--threads", threads, 1, 1024)
     type_text = types if types is None or isinstance(types, str) else ",".join(types)
     req = LadderRequest(os.fspath(source), Path(out), None if imatrix is None else os.fspath(imatrix), type_text,
-                        None if llama_quantize is None else os.fspath(llama_quantize), threads, lean=lean, min_bpw=min_bpw)
+                        None if llama_quantize is None else os.fspath(llama_quantize), threads, lean=lean, min_bpw=min_bpw,
+                        no_superseded=no_superseded)
     with _running(progress, unit="rungs") as r:
         doc = make_ladder(req, r)
     return LadderResult(Path(out), doc, tuple(req.notes))

@@ -15,7 +15,13 @@ error for fewer bytes. Made at such a type it would only cost the tool's time an
 it would stand for the type where no plan takes it. So with ``--lean`` each rung keeps such a tensor at its source type (named by
 ``--tensor-type``, which the tool honours by copying the tensor as it is: the rung then holds the source's bytes,
 checked on read-back), and a rung in which no tensor takes the rung's type is not made at all. On a Q4_K_M
-source that leaves out Q8_0 and makes Q4_0 … Q6_K only for the Q6_K tensors. Resumable: a rung in the manifest
+source that leaves out Q8_0 and makes Q4_0 … Q6_K only for the Q6_K tensors; a tensor a rung would hold at a
+substitute type (the matrix's, the fallback) that the rung of that type holds anyway keeps its source bytes too,
+so that no tensor is quantized to the same bytes twice. With ``--no-superseded`` a 32-wide type
+(Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1, whose blocks fit rows a 256-wide block does not divide: llama.cpp falls back to
+three of them there) is
+made only for the tensors the 256-wide type of no more bytes that supersedes it cannot take: on a model whose rows
+all divide 256 their rungs are not made at all, nor the passes that would price them. Resumable: a rung in the manifest
 whose file still has its SHA-256, made from the same source, matrix and tool by the same command, is kept.
 """
 
@@ -66,6 +72,7 @@ class LadderRequest:
     threads: int | None = None
     lean: bool = False  # a tensor whose source type has no more bytes than the rung's kept at it; types none takes not made
     min_bpw: float | None = None  # the types of fewer bits per weight are not made
+    no_superseded: bool = False  # a 32-wide type made only for tensors the 256-wide type superseding it cannot take
     notes: list[str] = field(default_factory=list)
 
 
@@ -131,12 +138,22 @@ def _bytes_per_weight(type_name_: str) -> float:
     return ts / bs
 
 
+#: ``--no-superseded``: each 32-wide type and the 256-wide type of no more bytes that supersedes it wherever its
+#: blocks divide the rows (llama.cpp itself falls back to IQ4_NL, Q5_0 and Q5_1 where they do not: :data:`FALLBACK`).
+#: On the bench's two models no plan took one where the 256-wide types apply (bench/RESULTS.md, "Types a 256-wide
+#: type supersedes").
+SUPERSEDED = {"Q4_0": "Q4_K", "Q4_1": "Q4_K", "IQ4_NL": "IQ4_XS", "Q5_0": "Q5_K", "Q5_1": "Q5_K"}
+
+
 def planned_types(rows: dict[str, int], rung_type: str, uncovered: set[str],
-                  source: dict[str, str] | None = None) -> dict[str, str]:
+                  source: dict[str, str] | None = None, superseded: dict[str, str] | None = None) -> dict[str, str]:
     """Each quantizable tensor's type in the rung (``rows``: name → row width, ggml ``ne[0]``): the rung's type;
     a tensor the importance matrix does not cover, at a type that needs one, the nearest type that needs none;
     then llama.cpp's fallback where the type's blocks do not divide the rows; and where that type has no fewer
-    bytes than the tensor's own in the source (``source``: name → type), the source's type: a copy."""
+    bytes than the tensor's own in the source (``source``: name → type), the source's type: a copy. A type of
+    ``superseded`` (a 32-wide type → the 256-wide type that supersedes it, made too) where its successor's blocks
+    divide the rows is the source's type where ``source`` is given, else the successor's (the bytes of the
+    successor's own rung: llama.cpp quantizes a tensor alike whatever else the file holds)."""
     out = {}
     for name, width in rows.items():
         t = NEEDS_IMATRIX[rung_type] if rung_type in NEEDS_IMATRIX and name in uncovered else rung_type
@@ -145,10 +162,25 @@ def planned_types(rows: dict[str, int], rung_type: str, uncovered: set[str],
             if t != "F16" and width % _block(t):
                 t = "F16"
         own = (source or {}).get(name)
+        successor = (superseded or {}).get(t)
+        if successor is not None and width % _block(successor) == 0:
+            t = own if own is not None else successor
         if own is not None and _bytes_per_weight(t) >= _bytes_per_weight(own):
             t = own
         out[name] = t
     return out
+
+
+def copy_substitutes(planned: dict[str, dict[str, str]], own: dict[str, str], made: list[str]) -> None:
+    """``--lean``: a tensor a rung holds at a substitute type (the matrix's, llama.cpp's fallback) that the rung of
+    that very type holds too keeps its source bytes instead. The substitute's bytes are that rung's already (the
+    tool quantizes a tensor alike whatever else the file holds), so the versions a measurement sees are the same;
+    the tool's time for them is not spent twice (Qwen2.5-Coder-1.5B's output at IQ3_S in the IQ3_XXS rung: a
+    sixth of the rung's time)."""
+    for t in made:
+        for name, typ in planned[t].items():
+            if typ not in (t, own[name]) and typ in made and planned[typ][name] == typ:
+                planned[t][name] = own[name]
 
 
 def _unmade(types: list[str], planned: dict[str, dict[str, str]], own: dict[str, str]) -> list[str]:
@@ -333,11 +365,23 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
         same_inputs = (old is not None and old["source"]["sha256"] == source_rec["sha256"]
                        and old["imatrix"] == imatrix_rec and old["tool"]["sha256"] == tool_sha)
         quantizable, own = _quantizable(source), _source_types(source)
-        planned = {t: planned_types(quantizable, t, uncovered, own if req.lean else None) for t in types}
-        unmade = _unmade(types, planned, own) if req.lean else []
-        if unmade:
-            req.notes.append(f"{', '.join(unmade)}: not made: no tensor of the source has fewer bytes at "
-                             f"{'that type' if len(unmade) == 1 else 'those types'} than at its own")
+        superseded = {a: b for a, b in SUPERSEDED.items() if b in types} if req.no_superseded else {}
+        planned = {t: planned_types(quantizable, t, uncovered, own if req.lean else None, superseded) for t in types}
+        unmade = (_unmade(types, planned, own) if req.lean
+                  else [t for t in types if t in superseded and t not in planned[t].values()])
+        # a type left out by --no-superseded: one that some tensor would have taken without it
+        gone = [t for t in unmade if t in superseded
+                and t in planned_types(quantizable, t, uncovered, own if req.lean else None).values()]
+        cheaper = [t for t in unmade if t not in gone]
+        if req.lean:
+            copy_substitutes(planned, own, [t for t in types if t not in unmade])
+        if cheaper:
+            req.notes.append(f"{', '.join(cheaper)}: not made: no tensor of the source has fewer bytes at "
+                             f"{'that type' if len(cheaper) == 1 else 'those types'} than at its own")
+        if gone:
+            req.notes.append(f"{', '.join(gone)}: not made (--no-superseded): every tensor that could take "
+                             f"{'it' if len(gone) == 1 else 'them'} takes the 256-wide type that supersedes "
+                             f"{'it' if len(gone) == 1 else 'each'} ({', '.join(superseded[t] for t in gone)})")
         kept: dict[str, dict] = {}
         if old is not None and same_inputs:
             def now(t: str) -> list[str]:

@@ -517,16 +517,20 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
 @click.option("--min-bpw", "min_bpw", type=float, default=None, metavar="BITS",
               help="Make no type of fewer bits per weight (2.5 leaves out IQ1_S, IQ1_M, IQ2_XXS and IQ2_XS, the slowest "
                    "rungs to make); rungs of them an earlier run made leave ladder.json.")
+@click.option("--no-superseded", "no_superseded", is_flag=True,
+              help="With --lean: a 32-wide type (Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1) is made only for the tensors whose rows "
+                   "the 256-wide type of no more bytes that supersedes it (Q4_K, Q4_K, IQ4_XS, Q5_K, Q5_K), made too, "
+                   "cannot take; no plan of the bench's models took one where they can.")
 @click.option("--json", "as_json", is_flag=True, help="Print ladder.json on stdout.")
 @_guarded
 def ladder_cmd(source: str, out: Path, imatrix: str | None, types: str | None, llama_quantize: str | None,
-               threads: int | None, lean: bool, min_bpw: float | None, as_json: bool) -> None:
+               threads: int | None, lean: bool, min_bpw: float | None, no_superseded: bool, as_json: bool) -> None:
     """Make the donors from the model's own source with llama.cpp's llama-quantize: one GGUF per type, every
     quantizable tensor at that type, and ladder.json; measure and plan take the folder as --ladder DIR."""
     from mosaic.cli.render import render_ladder
 
     res = api.ladder(source, out=out, imatrix=imatrix, types=types, llama_quantize=llama_quantize, threads=threads,
-                     lean=lean, min_bpw=min_bpw, progress=_bars(as_json))
+                     lean=lean, min_bpw=min_bpw, no_superseded=no_superseded, progress=_bars(as_json))
     if as_json:
         _emit_json(res.as_dict())
     else:
