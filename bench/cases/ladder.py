@@ -14,9 +14,9 @@ from its author's fork by ``../shared/tools/target-size.sh``; ``MOSAIC_BENCH_TAR
 without Q4_1, for SmolLM2's Q4_1 teacher, ``MOSAIC_BENCH_TARGET_SIZE_ALL`` the one with every type). mosaic's
 plans are held to the same bytes: ``mosaic ladder`` of the teacher, ``mosaic measure --ladder``, ``mosaic plan
 --max-size``, ``mosaic build``. The ladder is made with ``--min-bpw 2.5`` (:data:`MIN_BPW`): no plan of those sizes
-takes the four types under it, and the plans were the same without them on both models; and with
-``--no-superseded``: no plan of those sizes took Q4_0, Q4_1, IQ4_NL, Q5_0 or Q5_1 for a tensor whose rows a 256-wide
-type divides, and the plans were the same without them on both models.
+takes the four types under it, and the plans were the same without them on both models; and where ``--lean`` applies,
+with ``--no-superseded``: no plan of those sizes took Q4_0, Q4_1, IQ4_NL, Q5_0 or Q5_1 for a tensor whose rows a
+256-wide type divides.
 
 What runs (``what``):
 - ``default``: the measurement ``mosaic measure --ladder DIR --imatrix M`` makes with no method flag, its plans at
@@ -423,9 +423,9 @@ def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Pat
            ) -> dict[str, dict]:
     """The ladder, the measurement(s), every plan at every budget, built and scored two at a time."""
     _timed(costs, "mosaic ladder", [*MOSAIC, "ladder", str(teacher), "--out", str(ladder_dir), "--imatrix", str(model.imatrix),
-                                    "--types", ladder_types(model.types), "--min-bpw", str(MIN_BPW), "--no-superseded",
+                                    "--types", ladder_types(model.types), "--min-bpw", str(MIN_BPW),
                                     "--llama-quantize", str(_tool("llama-quantize")),
-                                    *(["--lean"] if model.lean else [])], env=env)
+                                    *(["--lean", "--no-superseded"] if model.lean else [])], env=env)
     for r in json.loads((ladder_dir / "ladder.json").read_text())["rungs"]:
         if "seconds" in r:  # a rung kept from an earlier run keeps its own time
             costs[f"rung {r['type']}"] = r["seconds"]

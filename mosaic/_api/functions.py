@@ -739,8 +739,8 @@ def ladder(
     weight or more took on the bench's models), and rungs of them an earlier run made leave the manifest.
     ``no_superseded`` (with ``lean``): a 32-wide type (Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1) is made only for the tensors
     whose rows the 256-wide type of no more bytes that supersedes it (Q4_K, Q4_K, IQ4_XS, Q5_K, Q5_K), made too,
-    cannot take (no plan of the bench's models took one where they can); on a model whose rows all divide 256 those
-    rungs are not made. :func:`measure` and :func:`plan` take the folder as ``ladder``.
+    cannot take (no plan of the bench's models took one where they can; the others keep their source bytes); on a
+    model whose rows all divide 256 those rungs are not made. :func:`measure` and :func:`plan` take the folder as ``ladder``.
 
     >>> from mosaic.testing.gguf import Geometry, write_llama_gguf
     >>> from mosaic.testing.quantize_tool import write_tool

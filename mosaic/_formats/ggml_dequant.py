@@ -116,7 +116,7 @@ def dequantize(raw: np.ndarray, type_id: int) -> np.ndarray:
         per, size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
     except (KeyError, ValueError):
         return _gguf_py(raw, type_id)
-    if per == 1 or raw.size < size:  # F32, F16, BF16 and the integers: a conversion, not a decoding
+    if per == 1 or raw.size < size or raw.size % size:  # F32, F16, BF16, the integers (a conversion); part of a block
         return _gguf_py(raw, type_id)
     fn = _trusted(type_id, raw, per, size)
     if fn is None:

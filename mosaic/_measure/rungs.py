@@ -20,8 +20,10 @@ substitute type (the matrix's, the fallback) that the rung of that type holds an
 so that no tensor is quantized to the same bytes twice. With ``--no-superseded`` a 32-wide type
 (Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1, whose blocks fit rows a 256-wide block does not divide: llama.cpp falls back to
 three of them there) is
-made only for the tensors the 256-wide type of no more bytes that supersedes it cannot take: on a model whose rows
-all divide 256 their rungs are not made at all, nor the passes that would price them. Resumable: a rung in the manifest
+made only for the tensors the 256-wide type of no more bytes that supersedes it cannot take (the others keep their
+source bytes): on a model whose rows all divide 256 their rungs are not made at all, nor the passes that would price
+them. It needs ``--lean``: without it such a type can be the version nearest the source (Q5_1 of a Q4_1 source), the
+top a measurement starts from. Resumable: a rung in the manifest
 whose file still has its SHA-256, made from the same source, matrix and tool by the same command, is kept.
 """
 
@@ -72,7 +74,7 @@ class LadderRequest:
     threads: int | None = None
     lean: bool = False  # a tensor whose source type has no more bytes than the rung's kept at it; types none takes not made
     min_bpw: float | None = None  # the types of fewer bits per weight are not made
-    no_superseded: bool = False  # a 32-wide type made only for tensors the 256-wide type superseding it cannot take
+    no_superseded: bool = False  # with lean: a 32-wide type made only for tensors the 256-wide type superseding it cannot take
     notes: list[str] = field(default_factory=list)
 
 
@@ -150,10 +152,9 @@ def planned_types(rows: dict[str, int], rung_type: str, uncovered: set[str],
     """Each quantizable tensor's type in the rung (``rows``: name → row width, ggml ``ne[0]``): the rung's type;
     a tensor the importance matrix does not cover, at a type that needs one, the nearest type that needs none;
     then llama.cpp's fallback where the type's blocks do not divide the rows; and where that type has no fewer
-    bytes than the tensor's own in the source (``source``: name → type), the source's type: a copy. A type of
-    ``superseded`` (a 32-wide type → the 256-wide type that supersedes it, made too) where its successor's blocks
-    divide the rows is the source's type where ``source`` is given, else the successor's (the bytes of the
-    successor's own rung: llama.cpp quantizes a tensor alike whatever else the file holds)."""
+    bytes than the tensor's own in the source (``source``: name → type), the source's type: a copy. So is a type
+    of ``superseded`` (a 32-wide type → the 256-wide type that supersedes it, made too) where its successor's
+    blocks divide the rows (``source`` given: ``--no-superseded`` needs ``--lean``)."""
     out = {}
     for name, width in rows.items():
         t = NEEDS_IMATRIX[rung_type] if rung_type in NEEDS_IMATRIX and name in uncovered else rung_type
@@ -163,9 +164,8 @@ def planned_types(rows: dict[str, int], rung_type: str, uncovered: set[str],
                 t = "F16"
         own = (source or {}).get(name)
         successor = (superseded or {}).get(t)
-        if successor is not None and width % _block(successor) == 0:
-            t = own if own is not None else successor
-        if own is not None and _bytes_per_weight(t) >= _bytes_per_weight(own):
+        if own is not None and (_bytes_per_weight(t) >= _bytes_per_weight(own)
+                                or (successor is not None and width % _block(successor) == 0)):
             t = own
         out[name] = t
     return out
@@ -322,6 +322,11 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
     from mosaic._eval.runtime import default_threads
     from mosaic._measure.importance import local_path
 
+    if req.no_superseded and not req.lean:
+        # without --lean a superseded type can be the version nearest the source, the top every pass is measured
+        # from (Q5_1 of a Q4_1 source: SmolLM2's ffn_down); with it the source's own bytes are that top
+        raise MosaicError("--no-superseded needs --lean: without it a type it leaves out can be a tensor's version "
+                          "nearest the source (Q5_1 of a Q4_1 source), the top a measurement starts from")
     types = parse_types(req.types, req.imatrix is not None, req.min_bpw)
     tool = find_tool(req.llama_quantize)
     source_path = Path(req.source)
@@ -367,8 +372,7 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
         quantizable, own = _quantizable(source), _source_types(source)
         superseded = {a: b for a, b in SUPERSEDED.items() if b in types} if req.no_superseded else {}
         planned = {t: planned_types(quantizable, t, uncovered, own if req.lean else None, superseded) for t in types}
-        unmade = (_unmade(types, planned, own) if req.lean
-                  else [t for t in types if t in superseded and t not in planned[t].values()])
+        unmade = _unmade(types, planned, own) if req.lean else []
         # a type left out by --no-superseded: one that some tensor would have taken without it
         gone = [t for t in unmade if t in superseded
                 and t in planned_types(quantizable, t, uncovered, own if req.lean else None).values()]

@@ -520,7 +520,7 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
 @click.option("--no-superseded", "no_superseded", is_flag=True,
               help="With --lean: a 32-wide type (Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1) is made only for the tensors whose rows "
                    "the 256-wide type of no more bytes that supersedes it (Q4_K, Q4_K, IQ4_XS, Q5_K, Q5_K), made too, "
-                   "cannot take; no plan of the bench's models took one where they can.")
+                   "cannot take (the others keep their source bytes); no plan of the bench's models took one where they can.")
 @click.option("--json", "as_json", is_flag=True, help="Print ladder.json on stdout.")
 @_guarded
 def ladder_cmd(source: str, out: Path, imatrix: str | None, types: str | None, llama_quantize: str | None,
