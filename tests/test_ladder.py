@@ -465,8 +465,8 @@ def test_no_superseded_rungs_are_not_made_where_every_row_divides_256(tmp_path: 
     res = mosaic.ladder(src, out=tmp_path / "rungs", types="Q4_0,Q4_K,Q5_0,Q5_1,Q5_K,Q6_K", llama_quantize=tool,
                         lean=True, no_superseded=True)
     assert [r["type"] for r in res.rungs] == ["Q4_K", "Q5_K", "Q6_K"]
-    assert list(res.notes) == ["Q4_0, Q5_0, Q5_1: not made (--no-superseded): every tensor that could take them takes "
-                               "the 256-wide type that supersedes each (Q4_K, Q5_K, Q5_K)"]
+    assert list(res.notes) == ["Q4_0, Q5_0, Q5_1: not made (--no-superseded): the 256-wide type that supersedes each "
+                               "(Q4_K, Q5_K, Q5_K) can take every tensor they could"]
     assert sorted(p.name for p in (tmp_path / "rungs").glob("*.gguf") if "imatrix" not in p.name) == [
         "wide-Q4_K_M-Q4_K.gguf", "wide-Q4_K_M-Q5_K.gguf", "wide-Q4_K_M-Q6_K.gguf"]
     res = mosaic.ladder(src, out=tmp_path / "rungs-2", types="Q4_0,Q4_K,Q5_0,Q6_K", llama_quantize=tool, lean=True,

@@ -17,14 +17,16 @@ it would stand for the type where no plan takes it. So with ``--lean`` each rung
 checked on read-back), and a rung in which no tensor takes the rung's type is not made at all. On a Q4_K_M
 source that leaves out Q8_0 and makes Q4_0 … Q6_K only for the Q6_K tensors; a tensor a rung would hold at a
 substitute type (the matrix's, the fallback) that the rung of that type holds anyway keeps its source bytes too,
-so that no tensor is quantized to the same bytes twice. With ``--no-superseded`` a 32-wide type
-(Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1, whose blocks fit rows a 256-wide block does not divide: llama.cpp falls back to
-three of them there) is
-made only for the tensors the 256-wide type of no more bytes that supersedes it cannot take (the others keep their
-source bytes): on a model whose rows all divide 256 their rungs are not made at all, nor the passes that would price
-them. It needs ``--lean``: without it such a type can be the version nearest the source (Q5_1 of a Q4_1 source), the
-top a measurement starts from. Resumable: a rung in the manifest
-whose file still has its SHA-256, made from the same source, matrix and tool by the same command, is kept.
+so that no tensor is quantized to the same bytes twice.
+
+With ``--no-superseded`` as well, a 32-wide type (Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1, whose blocks fit rows a 256-wide
+block does not divide: llama.cpp falls back to three of them there) is made only for the tensors the 256-wide type
+of no more bytes that supersedes it cannot take; the others keep their source bytes. On a model whose rows all
+divide 256 those rungs are not made at all, nor the passes that would price them. It needs ``--lean``: without it
+such a type can be the version nearest the source (Q5_1 of a Q4_1 source), the top a measurement starts from.
+
+Resumable: a rung in the manifest whose file still has its SHA-256, made from the same source, matrix and tool by
+the same command, is kept.
 """
 
 from __future__ import annotations
@@ -383,9 +385,9 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
             req.notes.append(f"{', '.join(cheaper)}: not made: no tensor of the source has fewer bytes at "
                              f"{'that type' if len(cheaper) == 1 else 'those types'} than at its own")
         if gone:
-            req.notes.append(f"{', '.join(gone)}: not made (--no-superseded): every tensor that could take "
-                             f"{'it' if len(gone) == 1 else 'them'} takes the 256-wide type that supersedes "
-                             f"{'it' if len(gone) == 1 else 'each'} ({', '.join(superseded[t] for t in gone)})")
+            req.notes.append(f"{', '.join(gone)}: not made (--no-superseded): the 256-wide type that supersedes "
+                             f"{'it' if len(gone) == 1 else 'each'} ({', '.join(superseded[t] for t in gone)}) can "
+                             f"take every tensor {'it' if len(gone) == 1 else 'they'} could")
         kept: dict[str, dict] = {}
         if old is not None and same_inputs:
             def now(t: str) -> list[str]:
