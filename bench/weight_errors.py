@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,9 +58,9 @@ def main() -> None:
 
     subprocess.run(command("gguf-py"), check=True, env=env, stdout=subprocess.DEVNULL)  # the digests, cached once
     med = race("weight errors, whole command", {n: (runner(n), empty) for n in contenders}, a.runs, "gguf-py")
-    base = sorted(stage["gguf-py"])[len(stage["gguf-py"]) // 2]
+    base = statistics.median(stage["gguf-py"])
     for name in contenders:
-        s = sorted(stage[name])[len(stage[name]) // 2]
+        s = statistics.median(stage[name])
         row("weight errors, the stage alone", name, f"{s:.2f} s", f"{s / base:.2f} × gguf-py" if name != "gguf-py" else "1.00")
     eps = [{(r["layer"], r["group"], r["donor"]): (r["eps"], r["eps_base"]) for r in json.loads(p.read_text())["results"]}
            for p in outs.values()]

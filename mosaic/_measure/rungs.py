@@ -375,9 +375,8 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
         superseded = {a: b for a, b in SUPERSEDED.items() if b in types} if req.no_superseded else {}
         planned = {t: planned_types(quantizable, t, uncovered, own if req.lean else None, superseded) for t in types}
         unmade = _unmade(types, planned, own) if req.lean else []
-        # a type left out by --no-superseded: one that some tensor would have taken without it
-        gone = [t for t in unmade if t in superseded
-                and t in planned_types(quantizable, t, uncovered, own if req.lean else None).values()]
+        # a type left out by --no-superseded (which comes with --lean): one some tensor would have taken without it
+        gone = [t for t in unmade if t in superseded and t in planned_types(quantizable, t, uncovered, own).values()]
         cheaper = [t for t in unmade if t not in gone]
         if req.lean:
             copy_substitutes(planned, own, [t for t in types if t not in unmade])
