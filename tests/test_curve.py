@@ -1,14 +1,13 @@
-"""`mosaic measure --curve two-point`: each unit's loss as two lines, through a second drop from the top.
+"""`mosaic measure` over published quantizations: each unit's loss as the line through its drop from the top.
 
-The second point is checked against its rule (the version nearest the log-midpoint of the top's and the base's
-weight errors), its drop against `mosaic eval` of that very model built by `mosaic build`, the predictions against
-the two-line formula written out here, and a sharded run against one run.
+A drop is checked against `mosaic eval` of that very model built by `mosaic build`, a sharded run against one run,
+the timing's stages against the passes; and a document of the retired `--curve two-point` (each unit's loss as
+two lines through a second drop) still reads as it was made: its predictions are the two lines' arithmetic.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from click.testing import CliRunner
 
 import mosaic
 from mosaic._eval.run import EvalRequest, evaluate
-from mosaic._measure.calibrate import mid_version
+from mosaic._measure.calibrate import fill, measured_record
 from mosaic.cli.commands import main
 from mosaic.testing.gguf import Geometry, write_llama_gguf
 from tests.conftest import build_versions, needs_runtime
@@ -24,17 +23,6 @@ from tests.conftest import build_versions, needs_runtime
 GEO = Geometry(n_layer=2)
 ROWS = "the model of a mosaic\nbytes and the bytes of a model\nthe mosaic is a model of bytes and bytes\n"
 DONORS = {"q41": "Q4_1", "q5": "Q5_0", "q8": "Q8_0"}
-
-
-def test_the_second_point_is_nearest_the_log_midpoint() -> None:
-    eps = {"base": 1e-2, "a": 5e-3, "b": 1.2e-3, "c": 2e-4, "top": 1e-4}
-    size = dict.fromkeys(eps, 10)
-    assert mid_version(list(eps), eps, size, "top") == "b"  # sqrt(1e-2 · 1e-4) = 1e-3
-    assert mid_version(["base", "top"], eps, size, "top") is None  # nothing between
-    zero = {**eps, "top": 0.0}  # the teacher's own tensor: 1e-4 of the base's stands in for 0
-    assert mid_version(list(zero), zero, size, "top") == "c"  # log-midpoint of 1e-6 and 1e-2: 1e-4
-    tie = {"base": 1e-2, "x": 1e-3, "y": 1e-3, "top": 1e-4}
-    assert mid_version(list(tie), tie, {"base": 9, "x": 8, "y": 5, "top": 9}, "top") == "y"  # the fewer bytes
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +46,12 @@ def make_models(d: Path) -> dict[str, Path]:
 
 def _measure(m: dict[str, Path], out: Path, **kw: object) -> dict:
     return mosaic.measure(base=m["Q4_0"], donors={d: m[q] for d, q in DONORS.items()}, reference=m["saved"], text=m["rows"],
-                          unit="module-group", curve="two-point", out=out, **kw).as_dict()
+                          unit="module-group", out=out, **kw).as_dict()
 
 
 @pytest.fixture(scope="module")
-def two(models: dict[str, Path]) -> dict:
-    return _measure(models, models["dir"] / "two.json")
+def line(models: dict[str, Path]) -> dict:
+    return _measure(models, models["dir"] / "line.json")
 
 
 def _two_lines(m: dict, eps: float) -> float:
@@ -75,38 +63,27 @@ def _two_lines(m: dict, eps: float) -> float:
     return d_mid + (d_base - d_mid) * (eps - e_mid) / (base - e_mid)
 
 
-def test_predictions_follow_the_two_lines_through_both_drops(two: dict) -> None:
-    assert two["settings"]["curve"] == "two-point"
-    with_mid = [m for m in two["measured"] if "mid" in m]
-    assert with_mid and two["forward_passes"] == 2 + len(two["measured"]) + len(with_mid)
-    curves = {(m["layer"], m["group"]): m for m in with_mid}
-    rows = {(r["layer"], r["group"], r["donor"]): r for r in two["results"]}
-    for m in with_mid:
-        assert m["eps_top"] < m["mid"]["eps"] < m["eps_base"] and m["mid"]["donor"] in DONORS
-        assert m["mid"]["dkl_drop"] == pytest.approx(m["mid"]["kl"] - two["top"]["kl"], abs=1e-12)
-    checked = 0
-    for (layer, group, _donor), r in rows.items():
-        m = curves.get((layer, group))
-        if m is None:
-            continue
-        want = _two_lines(m, r["eps"]) - _two_lines(m, r["eps_base"])
-        assert r["dkl"] == pytest.approx(want, rel=1e-12, abs=1e-15) and r["predicted"] is True
-        assert r["kl"] == pytest.approx(two["base"]["kl"] + r["dkl"], abs=1e-12)
-        checked += 1
-    assert checked >= 3 * len(curves) - len(curves)  # every donor of every unit with a curve
-    assert all(math.isfinite(r["dkl_se"]) and r["dkl_se"] >= 0 for r in two["results"])
+def test_a_retired_two_point_document_still_reads_as_two_lines() -> None:
+    """A unit measured with a second drop (``mid``) keeps its two-line curve in the arithmetic that completes a
+    document (a merge of a two-point measurement's shards), as it was when the method ran."""
+    m = measured_record(0, "ffn_down", 1.5, 0.5, 2.0, 1.0, 0.01, 0.2, 0.002,
+                        {"donor": "q5", "eps": 0.03, "kl": 1.05, "dkl_drop": 0.05, "dkl_drop_se": 0.005})
+    rows = [{"layer": 0, "group": "ffn_down", "donor": d, "eps": e, "eps_base": 0.2} for d, e in (("q5", 0.03), ("q8", 0.01))]
+    got = fill(rows, [m], "units", 1.5)
+    for r, e in zip(got, (0.03, 0.01)):
+        assert r["dkl"] == pytest.approx(_two_lines(m, e) - _two_lines(m, 0.2), rel=1e-12) and r["predicted"] is True
 
 
-def test_a_second_drop_is_what_mosaic_eval_gives_for_that_very_model(models: dict[str, Path], two: dict, tmp_path: Path) -> None:
-    m = max((x for x in two["measured"] if "mid" in x), key=lambda x: x["mid"]["dkl_drop"])
+def test_a_drop_is_what_mosaic_eval_gives_for_that_very_model(models: dict[str, Path], line: dict, tmp_path: Path) -> None:
+    m = max(line["measured"], key=lambda x: x["dkl_drop"])
     key = f"{'null' if m['layer'] is None else m['layer']}/{m['group']}"
-    versions = {**two["top"]["versions"], key: m["mid"]["donor"]}
-    built = build_versions(models["Q4_0"], {d: models[q] for d, q in DONORS.items()}, versions, tmp_path / "mid")
+    versions = {**line["top"]["versions"], key: m["to"]}
+    built = build_versions(models["Q4_0"], {d: models[q] for d, q in DONORS.items()}, versions, tmp_path / "drop")
     ev = evaluate(EvalRequest([str(built)], str(models["saved"]), models["rows"]))
-    assert m["mid"]["kl"] == pytest.approx(ev["candidates"][0]["kl"]["mean"], abs=1e-6)
+    assert m["kl"] == pytest.approx(ev["candidates"][0]["kl"]["mean"], abs=1e-6)
 
 
-def test_shards_of_a_two_point_measurement_merge_to_the_one_run(models: dict[str, Path], two: dict, tmp_path: Path) -> None:
+def test_shards_of_a_measurement_merge_to_the_one_run(models: dict[str, Path], line: dict, tmp_path: Path) -> None:
     parts = [tmp_path / f"p{k}.json" for k in (1, 2)]
     for k, p in enumerate(parts, 1):
         part = _measure(models, p, shard=f"{k}/2")
@@ -119,34 +96,23 @@ def test_shards_of_a_two_point_measurement_merge_to_the_one_run(models: dict[str
             summed[k] = [summed[k][0] + v["passes"], summed[k][1] + v["seconds"]]
     assert {k: v["passes"] for k, v in merged["timing"]["stages"].items()} == {k: v[0] for k, v in summed.items()}
     assert all(merged["timing"]["stages"][k]["seconds"] == pytest.approx(v[1], abs=2e-3) for k, v in summed.items())
-    assert summed["base"][0] == 2 and summed["drop"][0] == len(two["measured"])  # each shard ran its own base
-    one = json.loads(json.dumps(two))  # a copy
+    assert summed["base"][0] == 2 and summed["drop"][0] == len(line["measured"])  # each shard ran its own base
+    one = json.loads(json.dumps(line))  # a copy
     for d in (merged, one):
-        for key in ("seconds", "seconds_per_candidate", "timing"):  # where the time went differs from run to run
+        for key in ("seconds", "seconds_per_candidate", "timing", "dequantizer"):  # run to run: time, what decoded
             d.pop(key)
         d["runtime"].pop("threads")
     assert merged == one
 
 
-def test_timing_counts_each_stage_s_passes(two: dict) -> None:
+def test_timing_counts_each_stage_s_passes(line: dict) -> None:
     """One run against a saved teacher: its stages' passes are its forward passes, stage by stage."""
-    st = two["timing"]["stages"]
+    st = line["timing"]["stages"]
     assert st["weights"]["passes"] == 0 and st["weights"]["seconds"] >= 0
     assert (st["base"]["passes"], st["top"]["passes"]) == (1, 1) and "teacher" not in st
-    assert st["drop"]["passes"] == len(two["measured"])
-    assert st["drop-mid"]["passes"] == sum("mid" in m for m in two["measured"])
-    assert sum(v["passes"] for v in st.values()) == two["forward_passes"]
+    assert st["drop"]["passes"] == len(line["measured"])
+    assert sum(v["passes"] for v in st.values()) == line["forward_passes"]
     assert all(v["seconds"] > 0 for k, v in st.items() if k != "weights")
-
-
-def test_curve_refusals_are_one_line(models: dict[str, Path], tmp_path: Path) -> None:
-    common = ["measure", "--base", str(models["Q4_0"]), "--donor", f"q8={models['Q8_0']}", "--reference", str(models["saved"]),
-              "--text", str(models["rows"]), "--out", str(tmp_path / "m.json"), "--curve", "two-point"]
-    for extra, want in ((["--calibrate", "kinds", "--only-layers", "0"], "not with --calibrate kinds"),
-                        (["--method", "swaps"], "not of --method swaps")):
-        r = CliRunner().invoke(main, [*common, *extra])
-        assert r.exit_code == 2 and want in r.stderr and r.stderr.count("\n") == 1, r.output
-    assert not (tmp_path / "m.json").exists()
 
 
 def test_the_command_line_counts_the_drops_its_rows_cannot_resolve(models: dict[str, Path], tmp_path: Path) -> None:

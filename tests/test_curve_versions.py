@@ -220,7 +220,7 @@ def test_interrupted_and_resumed_it_writes_what_one_run_writes(models: dict[str,
 def test_versions_refusals_are_one_line(models: dict[str, Path], tmp_path: Path) -> None:
     common = _args(models, tmp_path / "m.json")
     for extra, want in ((["--shard", "1/2"], "not with --shard"),
-                        (["--refine", "1", "--max-size", "1M"], "choose one"),
+                        (["--refine", "1", "--max-size", "1M"], "--refine: retired ("),
                         (["--method", "swaps"], "not of --method swaps")):
         r = CliRunner().invoke(main, [*common, *extra])
         assert r.exit_code == 2 and want in r.stderr and r.stderr.count("\n") == 1, r.output

@@ -409,13 +409,15 @@ def test_batches_smaller_than_a_window_give_the_whole_windows_numbers(models: di
 
 
 def test_the_llama_cpp_python_binding_gives_the_same_panel(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where a user has llama-cpp-python (it compiles llama.cpp, so `make test` does not install it)."""
+    """Where a user has llama-cpp-python (it compiles llama.cpp: `make llama-tools` installs it, `make test` does not):
+    the same panel as the runtime extra's cyllama."""
     from mosaic._eval.runtime import available
 
     if "llama-cpp-python" not in available():
         pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python compiles llama.cpp); "
                     "the default runtime is tested above")
     saved = models["text"].parent / "saved-by-the-default-runtime.npz"
+    monkeypatch.setenv("MOSAIC_RUNTIME", "cyllama")  # the runtime extra's: where llama-cpp-python is, it is preferred
     default = run(models, ["base", "mosaic"], models["donor"], ctx=CTX, save_reference=saved)
     monkeypatch.setenv("MOSAIC_RUNTIME", "llama-cpp-python")
     other = run(models, ["base", "mosaic"], models["donor"], ctx=CTX)

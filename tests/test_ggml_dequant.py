@@ -11,6 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize
 
+from mosaic._base.errors import MosaicError
 from mosaic._formats import ggml_dequant
 
 Q8_0, Q4_0 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0
@@ -112,3 +113,70 @@ def test_llama_cpp_pythons_own_library_matches_gguf_py(name: str) -> None:
     raw = _blocks(t, n_blocks=1000, seed=7)
     assert np.array_equal(ggml_dequant.dequantize(raw, t), gguf_dequantize(raw, t).reshape(-1))
     assert ggml_dequant.in_use() == {name: "ggml"}
+
+
+def test_the_environment_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    for ok in ("auto", "ggml", "gguf-py", ""):
+        monkeypatch.setenv(ggml_dequant.ENV, ok)
+        assert ggml_dequant.mode() == (ok or "auto")
+    monkeypatch.setenv(ggml_dequant.ENV, "fast")
+    with pytest.raises(MosaicError, match="MOSAIC_DEQUANTIZE=fast: one of auto"):
+        ggml_dequant.mode()
+    with pytest.raises(MosaicError, match="MOSAIC_DEQUANTIZE=fast"):
+        ggml_dequant.dequantize(_blocks(Q8_0), Q8_0)
+
+
+def test_ggml_is_the_c_or_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ggml_dequant.ENV, "ggml")
+    monkeypatch.setattr(ggml_dequant, "_load", lambda: None)
+    with pytest.raises(MosaicError, match="no compiled llama-cpp-python"):
+        ggml_dequant.dequantize(_blocks(Q8_0), Q8_0)
+    ggml_dequant.reset()
+    monkeypatch.setattr(ggml_dequant, "_load", lambda: _Lib(right=False))
+    with pytest.raises(MosaicError, match="does not give gguf-py's values for Q8_0"):
+        ggml_dequant.dequantize(_blocks(Q8_0), Q8_0)
+    ggml_dequant.reset()
+    lib = _Lib(right=True)
+    monkeypatch.setattr(ggml_dequant, "_load", lambda: lib)
+    with pytest.raises(MosaicError, match="has no dequantize_row_q4_0"):  # a type the library lacks
+        ggml_dequant.dequantize(_blocks(Q4_0), Q4_0)
+    assert np.array_equal(ggml_dequant.dequantize(_blocks(Q8_0), Q8_0), gguf_dequantize(_blocks(Q8_0), Q8_0).reshape(-1))
+    assert ggml_dequant.record()["types"] == {"Q8_0": "ggml"} and ggml_dequant.record()["mode"] == "ggml"
+
+
+def _zero_then(t: GGMLQuantizationType, zero_blocks: int, live_blocks: int) -> np.ndarray:
+    """``zero_blocks`` blocks of all-zero values (a zero scale) and then ``live_blocks`` of real ones."""
+    per, _ = GGML_QUANT_SIZES[t]
+    zeros = np.ascontiguousarray(quantize(np.zeros((zero_blocks // 4, 4 * per), dtype=np.float32), t)).reshape(-1).view(np.uint8)
+    return np.concatenate([zeros, _blocks(t, live_blocks)])
+
+
+def test_the_probe_takes_blocks_with_values_from_across_the_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A function wrong on every value but zero would pass a probe of the first 64 blocks of a tensor whose first
+    rows are zeros; blocks with values from across the data catch it."""
+    raw = _zero_then(Q8_0, 400, 100)
+    lib = _Lib(right=False)
+    monkeypatch.setattr(ggml_dequant, "_load", lambda: lib)
+    got = ggml_dequant.dequantize(raw, Q8_0)
+    assert np.array_equal(got, gguf_dequantize(raw, Q8_0).reshape(-1)) and ggml_dequant.in_use() == {"Q8_0": "gguf-py"}
+    _, values = ggml_dequant.probe_blocks(raw, Q8_0, *GGML_QUANT_SIZES[Q8_0])
+    live = values.reshape(-1, 32)  # the last fifth of the data has values: the probe's blocks are all from it
+    assert len(live) > 32 and np.all(np.any(live != 0, axis=1))
+
+
+def test_data_with_no_value_leaves_the_type_undecided_until_data_with_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = _Lib(right=True)
+    monkeypatch.setattr(ggml_dequant, "_load", lambda: lib)
+    zeros = _zero_then(Q8_0, 200, 0)
+    assert not np.any(ggml_dequant.dequantize(zeros, Q8_0)) and lib.calls == 0
+    assert ggml_dequant.in_use() == {"Q8_0": "gguf-py"}  # gguf-py decoded it; no verdict yet
+    assert ggml_dequant.verify(zeros, Q8_0) is None
+    assert ggml_dequant.verify(_blocks(Q8_0), Q8_0) == "ggml" and ggml_dequant.in_use() == {"Q8_0": "ggml"}
+
+
+def test_spread_blocks_cover_the_whole_tensor() -> None:
+    _, size = GGML_QUANT_SIZES[Q8_0]
+    at = ggml_dequant.spread_blocks(10_000 * size, Q8_0)
+    assert len(at) == ggml_dequant.PROBE_CANDIDATES and at[0] == 0 and at[-1] == 9_999 * size
+    assert all(a % size == 0 for a in at) and at == sorted(set(at))
+    assert ggml_dequant.spread_blocks(3 * size, Q8_0) == [0, size, 2 * size]

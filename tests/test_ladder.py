@@ -239,6 +239,7 @@ def test_what_a_run_killed_outright_left_is_removed_by_the_next(made: dict[str, 
 def test_bad_input_is_one_line_and_touches_nothing(made: dict[str, Path], tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MOSAIC_LLAMA_QUANTIZE"}
     env["PATH"] = str(tmp_path / "empty-path")
+    env["HOME"] = str(tmp_path / "home")  # no tool where make llama-tools builds it either
 
     def one_line(args: list[str], *, environ: dict | None = None) -> str:
         import subprocess
@@ -265,8 +266,8 @@ def test_bad_input_is_one_line_and_touches_nothing(made: dict[str, Path], tmp_pa
         ["ladder", str(made["src"]), "--out", str(out), "--types", "Q8_0,Q4_0", "--min-bpw", "5", *tool])
     assert "no type a rung can hold has that many bits per weight (the most: 8.5, Q8_0)" in one_line(
         ["ladder", str(made["src"]), "--out", str(out), "--min-bpw", "9", *tool])
-    for bad in ("0", "-1", "nan", "inf"):
-        assert "expected a number of bits per weight above 0" in one_line(
+    for bad in ("-1", "nan", "inf"):
+        assert "expected a number of bits per weight, 0 or more (0: no floor)" in one_line(
             ["ladder", str(made["src"]), "--out", str(out), "--min-bpw", bad, *tool])
     assert not out.exists()
     # the folder is locked while a ladder is made there
@@ -295,6 +296,24 @@ def test_the_ladder_plans_builds_and_audits(made: dict[str, Path], tmp_path: Pat
     r = CliRunner().invoke(main, ["plan", "--ladder", str(made["rungs"]), "--base", str(made["src"]), "--scores",
                                   str(tmp_path / "m.json"), "--layers", "1"])
     assert r.exit_code == 2 and "instead of --base/--donor" in r.output
+
+
+def test_a_budget_under_the_ladders_floor_names_the_option_that_makes_the_types_under_it(made: dict[str, Path],
+                                                                                        tmp_path: Path) -> None:
+    mosaic.measure(ladder=made["rungs"], reference=made["src"], method="weights", unit="module-group", out=tmp_path / "m.json")
+    tiny = 1000
+    with pytest.raises(mosaic.MosaicError, match="no plan is that small") as e:
+        mosaic.plan(ladder=made["rungs"], scores=tmp_path / "m.json", max_size=tiny)
+    assert "--min-bpw" not in str(e.value)  # made with no floor: nothing was left out
+    floored = tmp_path / "floored"
+    shutil.copytree(made["rungs"], floored)
+    doc = json.loads((floored / "ladder.json").read_text())
+    doc["options"]["min_bpw"] = 2.5
+    (floored / "ladder.json").write_text(json.dumps(doc))
+    r = CliRunner().invoke(main, ["plan", "--ladder", str(floored), "--scores", str(tmp_path / "m.json"), "--max-size", str(tiny)])
+    msg = r.output.strip()
+    assert r.exit_code == 2 and msg.count("\n") == 0 and "no plan is that small" in msg and msg.endswith(
+        "the ladder has no type under 2.5 bits a weight (its floor): mosaic ladder --min-bpw 0 makes them"), msg
 
 
 def test_a_rung_that_changed_is_refused_and_alike_versions_are_one(made: dict[str, Path], tmp_path: Path) -> None:
@@ -330,7 +349,8 @@ def test_a_saved_teacher_made_of_the_ladders_source_is_what_the_weights_are_comp
 
     needs_runtime()
     src = write_llama_gguf(tmp_path / "wide-Q4_1.gguf", qtype="Q4_1", seed=11, geometry=WIDE)[0]
-    mosaic.ladder(src, out=tmp_path / "rungs", types="Q4_0,Q4_1,Q8_0", llama_quantize=write_tool(tmp_path / "llama-quantize"))
+    mosaic.ladder(src, out=tmp_path / "rungs", types="Q4_0,Q4_1,Q8_0", llama_quantize=write_tool(tmp_path / "llama-quantize"),
+                  lean=False)  # the Q4_1 rung holds the source's bytes, made by the tool
     rows = tmp_path / "rows.txt"
     rows.write_text("the model of a mosaic\nbytes and the bytes of a model\n")
     saved = tmp_path / "teacher.npz"
@@ -383,7 +403,8 @@ def test_a_lean_rung_keeps_the_sources_bytes_where_its_type_has_no_fewer(tmp_pat
     srct = _tensors(src)
     own = {n: t.tensor_type.name for n, t in srct.items() if n.endswith(".weight") and len(t.shape) >= 2}
     assert set(own.values()) == {"Q4_K", "Q6_K"}  # a mix, as published files are
-    res = mosaic.ladder(src, out=tmp_path / "rungs", types="Q3_K,Q4_0,Q4_K,Q5_K,Q6_K,Q8_0", llama_quantize=tool, lean=True)
+    res = mosaic.ladder(src, out=tmp_path / "rungs", types="Q3_K,Q4_0,Q4_K,Q5_K,Q6_K,Q8_0", llama_quantize=tool, lean=True,
+                        no_superseded=False)
     assert [r["type"] for r in res.rungs] == ["Q3_K", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
     assert list(res.notes) == ["Q8_0: not made: no tensor of the source has fewer bytes at that type than at its own"]
     copied = quantized = 0
@@ -414,7 +435,7 @@ def test_a_lean_rung_keeps_the_sources_bytes_where_its_type_has_no_fewer(tmp_pat
     q8 = _tensors(tmp_path / "rungs-2" / res.rungs[-1]["file"])
     assert all(q8[n].tensor_type.name == t for n, t in own.items())
     # without --lean: every rung every tensor at its type, as llama-quantize --pure writes it; Q8_0 made too
-    res = mosaic.ladder(src, out=tmp_path / "rungs-whole", types="Q5_K,Q8_0", llama_quantize=tool)
+    res = mosaic.ladder(src, out=tmp_path / "rungs-whole", types="Q5_K,Q8_0", llama_quantize=tool, lean=False)
     assert [r["type"] for r in res.rungs] == ["Q5_K", "Q8_0"] and not res.notes
     for r in res.rungs:
         assert {t.tensor_type.name for n, t in _tensors(tmp_path / "rungs-whole" / r["file"]).items() if n in own} == {r["type"]}
@@ -425,7 +446,8 @@ def test_a_lean_rung_keeps_the_sources_bytes_where_its_type_has_no_fewer(tmp_pat
     q5["command"] = [a for a in q5["command"] if not a.startswith("^") and a != "--tensor-type"]
     (tmp_path / "rungs" / "ladder.json").write_text(json.dumps(doc))
     before = {p.name: p.stat().st_ino for p in (tmp_path / "rungs").glob("*.gguf")}
-    res = mosaic.ladder(src, out=tmp_path / "rungs", types="Q3_K,Q4_0,Q4_K,Q5_K,Q6_K,Q8_0", llama_quantize=tool, lean=True)
+    res = mosaic.ladder(src, out=tmp_path / "rungs", types="Q3_K,Q4_0,Q4_K,Q5_K,Q6_K,Q8_0", llama_quantize=tool, lean=True,
+                        no_superseded=False)
     after = {p.name: p.stat().st_ino for p in (tmp_path / "rungs").glob("*.gguf")}
     changed = {n for n in after if after[n] != before.get(n)}
     assert changed == {q5["file"]} and next(r for r in res.rungs if r["type"] == "Q5_K")["command"] != q5["command"]
@@ -474,10 +496,11 @@ def test_no_superseded_rungs_are_not_made_where_every_row_divides_256(tmp_path: 
     assert [r["type"] for r in res.rungs] == ["Q4_K", "Q5_0", "Q6_K"]
     q50 = _tensors(tmp_path / "rungs-2" / res.rungs[1]["file"])
     assert {t.tensor_type.name for t in q50.values() if len(t.shape) >= 2} == {"Q4_K", "Q5_0"}  # copies, and Q5_0
-    r = run_cli(["ladder", str(f16), "--out", str(tmp_path / "refused"), "--types", "Q4_0,Q4_K", "--no-superseded",
-                 "--llama-quantize", str(tool)])
-    assert r.returncode == 2 and "needs --lean" in r.stderr and "\n" not in r.stderr.strip()
-    assert not (tmp_path / "refused").exists()
+    for source, flags, why in ((src, ["--no-lean"], "needs --lean"), (f16, [], "not over an unquantized source")):
+        r = run_cli(["ladder", str(source), "--out", str(tmp_path / "refused"), "--types", "Q4_0,Q4_K", "--no-superseded",
+                     *flags, "--llama-quantize", str(tool)])
+        assert r.returncode == 2 and why in r.stderr and "\n" not in r.stderr.strip(), r.stderr
+        assert not (tmp_path / "refused").exists()
 
 
 def test_a_lean_rung_copies_a_substitute_the_rung_of_its_type_holds() -> None:
@@ -499,3 +522,43 @@ def test_a_lean_rung_copies_a_substitute_the_rung_of_its_type_holds() -> None:
     alone = {t: planned_types(rows, t, uncovered, own) for t in ("IQ2_S", "IQ3_S")}
     copy_substitutes(alone, own, ["IQ2_S", "IQ3_S"])
     assert alone["IQ2_S"]["output.weight"] == "Q2_K"  # no Q2_K rung: the IQ2_S rung's is the only one
+
+
+def test_the_defaults_follow_the_source(tmp_path: Path) -> None:
+    """Left open, ``--lean`` and ``--no-superseded`` are on over a quantization whose every type the ladder holds (the
+    bench's Qwen2.5-Coder-1.5B ladder, over its Q4_K_M), off where a type of the source is not among the types asked
+    (SmolLM2's Q4_1 under a list without it) or the source is unquantized; the floor of 2.5 bits a weight holds under
+    the default types only. Each default that leaves something out says so in one line, naming the option that
+    brings it back, and ladder.json records what the ladder was made with."""
+    import subprocess
+
+    from mosaic._measure.rungs import DEFAULT_MIN_BPW, LadderRequest, options
+
+    needs_runtime()
+    f16 = write_llama_gguf(tmp_path / "wide-F16.gguf", qtype="F16", seed=11, geometry=WIDE)[0]
+    tool = write_tool(tmp_path / "llama-quantize")
+    src = tmp_path / "wide-Q4_K_M.gguf"
+    subprocess.run([str(tool), str(f16), str(src), "Q4_K_M"], check=True, capture_output=True)
+    res = mosaic.ladder(src, out=tmp_path / "rungs", types="Q4_0,Q4_K,Q5_K,Q6_K", llama_quantize=tool)
+    assert res.manifest["options"] == {"lean": True, "min_bpw": None, "no_superseded": True}
+    assert [r["type"] for r in res.rungs] == ["Q4_K", "Q5_K", "Q6_K"]  # Q4_0: superseded by Q4_K
+    res = mosaic.ladder(src, out=tmp_path / "rungs-2", types="Q4_0,Q8_0", llama_quantize=tool)
+    assert res.manifest["options"] == {"lean": False, "min_bpw": None, "no_superseded": False}
+    assert list(res.notes) == ["not --lean: the source holds Q4_K, Q6_K, which the types asked leave out, and a rung keeping "
+                               "a tensor's source bytes would hold it (--lean keeps them all the same)"]
+    notes: list[str] = []
+    f16_own = {"blk.0.ffn_down.weight": "F16"}
+    got = options(LadderRequest(str(f16), tmp_path), ["Q4_0", "Q4_K"], f16_own, notes)  # the default types
+    assert (got.lean, got.no_superseded) == (False, False) and notes[0].startswith("the source is unquantized (F16)")
+    notes.clear()
+    res = mosaic.ladder(f16, out=tmp_path / "rungs-3", types="Q4_0,Q4_K", llama_quantize=tool)  # types given: no note
+    assert res.manifest["options"] == {"lean": False, "min_bpw": None, "no_superseded": False} and not res.notes
+    # the floor: under the default types only, and said where it leaves a type out; 0 is no floor
+    own = {"blk.0.ffn_down.weight": "Q4_K"}
+    got = options(LadderRequest(str(src), tmp_path, imatrix="m.gguf"), ["Q4_K"], own, notes)
+    assert got.min_bpw == DEFAULT_MIN_BPW and notes == [
+        "IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS: not made, under 2.5 bits a weight, the default floor (--min-bpw 0 makes them, "
+        "for plans below it)"]
+    notes.clear()
+    assert options(LadderRequest(str(src), tmp_path, min_bpw=0), ["Q4_K"], own, notes).min_bpw is None and not notes
+    assert options(LadderRequest(str(src), tmp_path, types="Q4_K"), ["Q4_K"], own, notes).min_bpw is None and not notes

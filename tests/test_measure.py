@@ -76,6 +76,17 @@ def test_the_document_is_what_the_contract_says(by_layer: Path, smol: dict[str, 
     assert [r["layer"] for r in doc["results"]] == list(range(30)) and {r["donor"] for r in doc["results"]} == {"q8"}
     assert doc["base"]["bytes"] == smol["Q2_K"].stat().st_size and doc["base"]["kl"] > 0
     assert doc["runtime"]["threads"] >= 1 and doc["reference"]["kind"] == "model"
+    # what decoded the weights: every quantized type of the sources, by ggml's C where a compiled llama-cpp-python's
+    # library is installed and matched gguf-py, else by gguf-py (or nothing, where every sum came from the cache)
+    from mosaic._formats.ggml_dequant import library_path
+
+    dq = doc["dequantizer"]
+    from gguf import GGUFReader
+
+    held = {t.tensor_type.name for f in (smol["Q2_K"], smol["Q8_0"], smol["teacher"]) for t in GGUFReader(f).tensors}
+    assert dq["mode"] == "auto" and set(dq["types"]) <= held - {"F32", "F16"}  # the sources' and the teacher's types
+    assert all(how == ("ggml" if library_path() is not None else "gguf-py") for how in dq["types"].values()), dq
+    assert (dq["library"] is not None) == (library_path() is not None and bool(dq["types"]))
     import hashlib
 
     assert doc["base"]["files"] == [{"name": smol["Q2_K"].name, "size": smol["Q2_K"].stat().st_size,

@@ -21,8 +21,8 @@ from tests.test_ladder import WIDE
 #: models"; its calibration by "`--calibrate pooled` on Qwen2.5-Coder-1.5B, decided on rows no choice saw"), over
 #: published quantizations by the README's table of them. A change of default is a change of these lines, with the
 #: evidence that made it.
-CHOSEN = {"ladder": {"imatrix_cap": True, "calibrate": "pooled", "curve": "versions", "sample_layers": 0},
-          "donors": {"imatrix_cap": False, "calibrate": "units", "curve": "line", "sample_layers": 0}}
+CHOSEN = {"ladder": {"imatrix_cap": True, "calibrate": "pooled", "curve": "versions", "unit": "module-group"},
+          "donors": {"imatrix_cap": False, "calibrate": "units", "curve": "line", "unit": None}}
 
 
 def _req(where: str = "ladder", **kw: object) -> MeasureRequest:
@@ -32,7 +32,7 @@ def _req(where: str = "ladder", **kw: object) -> MeasureRequest:
 
 def _method(req: MeasureRequest) -> dict[str, object]:
     r = defaults.resolved(req)
-    return {"imatrix_cap": r.imatrix_cap, "calibrate": r.calibrate, "curve": r.curve, "sample_layers": r.sample_layers}
+    return {"imatrix_cap": r.imatrix_cap, "calibrate": r.calibrate, "curve": r.curve, "unit": r.unit}
 
 
 @pytest.mark.parametrize("where", ["ladder", "donors"])
@@ -49,13 +49,14 @@ def test_the_help_says_the_defaults() -> None:
 
     text = " ".join(CliRunner().invoke(main, ["measure", "--help"]).output.split())
     on = {True: "on", False: "off"}
-    assert (f"[default: {CHOSEN['ladder']['calibrate']} over --ladder (kinds with --curve line or --sample-layers), "
+    assert (f"[default: {CHOSEN['ladder']['calibrate']} over --ladder (kinds with --curve line), "
             f"{CHOSEN['donors']['calibrate']} otherwise]") in text
-    assert f"[default: {CHOSEN['ladder']['curve']} over --ladder, {CHOSEN['donors']['curve']} otherwise;" in text
+    assert f"[default: {CHOSEN['ladder']['curve']} over --ladder, {CHOSEN['donors']['curve']} otherwise]" in text
     assert (f"[default with --imatrix: {on[CHOSEN['ladder']['imatrix_cap']]} over --ladder, "
             f"{on[CHOSEN['donors']['imatrix_cap']]} otherwise]") in text
-    assert CHOSEN["ladder"]["sample_layers"] == CHOSEN["donors"]["sample_layers"] == 0
-    assert "[default: 0, every layer]" in text
+    assert f"[default: {CHOSEN['ladder']['unit']} over --ladder;" in text
+    # the default path comes first: the ladder and the teacher, before the published quantizations' --base
+    assert text.index("--ladder DIR") < text.index("--reference REF") < text.index("--base SRC") < text.index("--calibrate")
 
 
 @pytest.mark.parametrize("where", ["ladder", "donors"])
@@ -66,21 +67,17 @@ def test_a_flag_given_is_kept_and_the_others_default(where: str, given: dict[str
     want = {**CHOSEN[where], **given}
     if "calibrate" not in given and want["calibrate"] == "pooled" and want["curve"] != "versions":
         want["calibrate"] = "kinds"  # the pooled alpha is read from the versions curve's passes
-    if want["calibrate"] != "kinds":
-        want["sample_layers"] = 0  # a sample of layers fits kinds; per unit, every unit's drop runs
     assert _method(_req(where, **given)) == want
 
 
 @pytest.mark.parametrize("where", ["ladder", "donors"])
 def test_defaults_yield_to_what_they_cannot_go_with(where: str) -> None:
-    assert _method(_req(where, curve="two-point"))["calibrate"] == "units"  # two-point is a curve per unit
     assert _method(_req(where, refine=2, max_size=10))["curve"] == "line"  # --refine is its own correction of the line
     weights = _method(_req(where, method="weights", reference=None, text=None))
     assert (weights["calibrate"], weights["curve"]) == ("units", "line")  # nothing is calibrated by passes
     swaps = _method(_req(where, method="swaps"))
     assert (swaps["calibrate"], swaps["curve"]) == ("units", "line")
-    if where == "ladder":  # a sample of layers' drops fits each kind's factor: the pooled alpha yields to kinds
-        assert _method(_req(where, sample_layers=4)) == {**CHOSEN[where], "calibrate": "kinds", "sample_layers": 4}
+    assert _method(_req(where, unit="layer"))["unit"] == "layer"
 
 
 @pytest.fixture(scope="module")

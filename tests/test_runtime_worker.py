@@ -87,7 +87,8 @@ def test_a_gguf_the_strict_reader_accepts_but_llama_cpp_aborts_on_is_one_line(mo
                  "--ctx", "16", "--json"], cwd=tmp_path)
     line = _one_line(r, 2)
     assert line.startswith(f"mosaic: error: llama.cpp aborted while loading {models['bad']}: "), line
-    assert "GGML_ASSERT(hparams.n_expert_used <= hparams.n_expert) failed" in line
+    # llama.cpp's own words, which its versions put differently (the prebuilt wheel's, and the compiled binding's)
+    assert re.search(r"GGML_ASSERT\(\w*(hparams\.)?n_expert_used\w* <= hparams\.n_expert\) failed", line), line
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("core")]  # no core file
     # with --verbose, llama.cpp's own lines are shown (on stderr) and the error line still ends it
     r = run_cli(["eval", str(models["bad"]), "--reference", str(models["teacher"]), "--text", str(models["text"]),

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 import mosaic
-from mosaic._measure.defaults import spread
 from mosaic._measure.variants import derive
 from mosaic._plan.measurement import validation_errors
 from mosaic.testing.gguf import imatrix_targets, imatrix_values, write_imatrix
@@ -92,30 +91,6 @@ def test_without_the_ceiling_the_weight_errors_are_the_raw_weightings(models: di
         s = by[(r["layer"], r["group"], r["donor"])]
         assert (r["eps"], r["eps_base"]) == (s["eps"], s["eps_base"])
         assert r["dkl"] == pytest.approx(s["dkl"], rel=1e-9, abs=1e-12)
-
-
-def test_kinds_from_a_sample_of_layers_is_that_samples_own_measurement(models: dict[str, Path], source: dict,
-                                                                       tmp_path: Path) -> None:
-    real = _measure(models, tmp_path / "real.json", imatrix_cap=True, calibrate="kinds", curve="versions", sample_layers=1)
-    one = real["settings"]["sampled_layers"]
-    assert one == spread([0, 1], 1)  # the middle of the one share: of two layers, the first
-    got = derive(source, calibrate="kinds", curve="versions", layers=one)
-    assert validation_errors(got) == []
-    assert got["settings"] == real["settings"]
-    assert got["settings"]["layers"] is None  # the plans price every layer's units
-    assert got["pooled"] == real["pooled"]  # every layer's units moved together, as the sample measures them
-    assert got["forward_passes"] == real["forward_passes"] < source["forward_passes"]
-    assert sorted((m["layer"] is None, str(m["layer"]), m["group"]) for m in got["measured"]) == sorted(
-        (m["layer"] is None, str(m["layer"]), m["group"]) for m in real["measured"])
-    mine, theirs = _predictions(got), _predictions(real)
-    assert mine.keys() == theirs.keys()
-    for k, (dkl, se) in theirs.items():
-        assert mine[k][0] == pytest.approx(dkl, rel=1e-9, abs=1e-12), k
-        assert mine[k][1] == pytest.approx(se, rel=1e-9, abs=1e-12), k
-    with pytest.raises(mosaic.MosaicError, match="a sample of layers calibrates kinds"):
-        derive(source, calibrate="units", curve="versions", layers=[1])
-    with pytest.raises(mosaic.MosaicError, match=r"layers \[5\]: not among the measured layers"):
-        derive(source, calibrate="kinds", curve="versions", layers=[1, 5])
 
 
 def test_each_kinds_alpha_from_its_pooled_pass_is_that_calibrations_own_measurement(

@@ -42,8 +42,9 @@ from mosaic._base.errors import HostError, MosaicError
 from mosaic._base.progress import SILENT, Reporter, reporter
 from mosaic._recipe.document import Recipe
 
-if TYPE_CHECKING:  # only a private helper's annotation
+if TYPE_CHECKING:  # only private helpers' annotations
     from mosaic._audit.report import AuditReport
+    from mosaic._sources.rung_set import RungSet
 
 PathLike = str | os.PathLike[str]
 #: ``False``: silent; ``True``: progress bars on stderr; a Reporter: the counts go to it.
@@ -118,12 +119,16 @@ def _ladder_sources(ladder: PathLike | None, base: PathLike | None, donors: Dono
     model the rungs were made of."""
     if ladder is None:
         return (None if base is None else os.fspath(base)), _donor_list(donors or []), None
+    rungs = _rungs(ladder, base, donors)
+    return str(rungs.base.path), [(r.id, str(r.path)) for r in rungs.donors], (rungs.source_sha256, rungs.source_bytes)
+
+
+def _rungs(ladder: PathLike, base: PathLike | None, donors: Donors | None) -> RungSet:
     if base is not None or donors:
         raise MosaicError("--ladder DIR names the base and the donors itself: give it instead of --base/--donor, not with them")
     from mosaic._sources.rung_set import open_ladder
 
-    rungs = open_ladder(os.fspath(ladder))
-    return str(rungs.base.path), [(r.id, str(r.path)) for r in rungs.donors], (rungs.source_sha256, rungs.source_bytes)
+    return open_ladder(os.fspath(ladder))
 
 
 def _in_range(flag: str, value: int | None, lo: int, hi: int) -> int | None:
@@ -259,8 +264,17 @@ def plan(
     with _metadata_stage():
         if is_gguf_src(req.base):
             from mosaic._plan.gguf_planner import plan_gguf_mosaic
+            from mosaic._plan.units import TooSmall
 
-            report, text, _, notes = plan_gguf_mosaic(req)
+            try:
+                report, text, _, notes = plan_gguf_mosaic(req)
+            except TooSmall as e:
+                low = None if ladder is None else _rungs(ladder, None, None).min_bpw
+                if not low:
+                    raise
+                # the budget lies below the ladder's floor: the versions under it were never made
+                raise TooSmall(f"{e}; the ladder has no type under {low:g} bits a weight (its floor): "
+                               f"mosaic ladder --min-bpw 0 makes them") from None
         else:
             res = plan_mosaic(req)
             report, text, notes = res.report, res.recipe_text, res.notes
@@ -607,14 +621,11 @@ def measure(
     curve: str | None = None,
     unit: str | None = None,
     only_layers: str | Sequence[int] | None = None,
-    sample_layers: int | None = None,
     ctx: int | None = None,
     top_k: int | None = None,
     shard: str | None = None,
     imatrix: PathLike | None = None,
     imatrix_cap: bool | None = None,
-    refine: int = 0,
-    max_size: int | str | None = None,
     merge: Sequence[PathLike] | None = None,
     out: PathLike = "measurement.json",
     workdir: PathLike | None = None,
@@ -625,40 +636,37 @@ def measure(
     verbose: bool = False,
     progress: Progress = False,
     ladder: PathLike | None = None,
+    refine: int = 0,
+    max_size: int | str | None = None,
 ) -> MeasureResult:
     """Measure what each unit buys from each donor, on the model itself, and write it to ``out`` as a
     ``mosaic.measurement/v3`` document for :func:`plan`.
 
-    ``method``: ``"top-down"`` (the default: every unit's weight error at every version, read from the files;
-    the top model, every unit at its best version; one candidate per unit, the top with that unit back at the
-    base's version, which calibrates how much the model feels that unit's error; every (unit, donor) ``dkl``
-    predicted from both), ``"weights"`` (the weight errors alone, nothing runs: no ``reference`` needed, no
-    ``text``) or ``"swaps"`` (every "base + one unit from one donor" run). ``calibrate``: ``"units"`` (each
-    unit its own), ``"kinds"`` (each kind of unit pooled over ``only_layers``, given to every layer) or
-    ``"pooled"`` (with ``curve="versions"``: each kind's from its pooled pass at its drop version) or ``"groups"``
-    (each kind's from 4 passes that each drop every 4th of its units, in depth order, at their drop versions
-    together); under these two only a kind of one unit (the embedding, the output) has a drop of its own, so the
-    passes do not grow with the layers (not the default: bench/RESULTS.md).
-    ``curve``: ``"line"`` (one drop per unit), ``"two-point"`` (a second drop, to the version nearest the
-    log-midpoint of the top's and the worst's weight errors: each unit's loss as two lines) or ``"versions"``
-    (each kind's measured units moved together to each of their versions, one forward pass per kind and version:
-    each unit's line times its kind's factor there, where that measurement proves the line wrong).
-    Left at None, ``calibrate``, ``curve`` and ``imatrix_cap`` take mosaic's defaults (:mod:`mosaic._measure.defaults`:
-    chosen by held-out KL on two models), each yielding to a flag given that it cannot go with.
+    ``method``: ``"top-down"`` (the default: every unit's weight error at every version, read from the files,
+    and the top model, every unit at its best version, from which a few passes calibrate how much the model feels
+    each unit's error; every (unit, donor) ``dkl`` predicted from both), ``"weights"`` (the weight errors alone,
+    nothing runs: no ``reference`` needed, no ``text``) or ``"swaps"`` (every "base + one unit from one donor"
+    run). Left at None, ``calibrate``, ``curve``, ``imatrix_cap`` and, over a ladder, ``unit`` take mosaic's
+    defaults (:mod:`mosaic._measure.defaults`: chosen by held-out KL on two models), each yielding to a flag given
+    that it cannot go with. Over ``ladder``: each tensor kind of each layer a unit, each kind's units moved
+    together to each of their versions (``curve="versions"``) and each kind's sensitivity read from its pass at its
+    drop version (``calibrate="pooled"``), the importances under their ceiling. ``calibrate``: ``"units"`` (one
+    drop per unit, each its own: the default over ``base``/``donors``), ``"kinds"`` (those drops pooled per kind
+    over ``only_layers``, given to every layer) or ``"pooled"``. ``curve``: ``"line"`` (each unit's loss as the
+    line through its drop: the default over ``base``/``donors``) or ``"versions"`` (that line times its kind's
+    factor at each version, one forward pass per kind and version).
     ``unit``: ``layer``, ``layer-experts`` or ``module-group``; ``only_layers``: ``"0-5,9"`` or a list.
-    ``sample_layers`` (``calibrate="kinds"``): the drops run at this many layers spread over the depth, the
-    versions curve still moving every layer's units (0 or None, the default: every layer).
     ``imatrix``: an importance matrix (llama-imatrix's GGUF or legacy ``.dat``, a file or a pinned hub file
     ``"ORG/NAME@COMMIT:FILE"``) that weights every weight error by each input channel's importance (GGUF bases);
     ``imatrix_cap``: those importances held under a robust ceiling first (a row's median × e^(3.5 robust standard
     deviations of its logs)), so that one channel of massive activations cannot hide the error of every other.
-    ``refine``: rounds of measurement where the plan of ``max_size`` bytes (a number or ``"93.5M"``) lands
-    (``top-down``, GGUF): each round runs that plan and one move of every measured unit from it, and scales each
-    kind of unit by what its moves measured against the prediction.
     ``shard``: ``"K/N"``, this run's share of the candidates; ``merge``: the shards' documents to join
     (then no other input). Each result is kept durably in ``<out>.partial`` as it finishes; ``resume``
     continues one with the same inputs; ``force`` replaces. ``threads``, ``gpu_layers`` (``"all"`` or a count):
-    the runtime's, as for :func:`evaluate`.
+    the runtime's, as for :func:`evaluate`. Retired (their evidence in bench/RESULTS.md, "Retired measurement
+    options"): ``calibrate="groups"`` and ``curve="two-point"`` are refused, and so are ``refine`` (rounds measured
+    where the plan of ``max_size`` bytes lands) and ``max_size`` unless ``MOSAIC_EXPERIMENTS=1`` is set, the one
+    switch that keeps a retired option for experiments.
 
     >>> from mosaic.testing.gguf import Geometry, write_llama_gguf
     >>> g = Geometry(n_layer=2)
@@ -674,16 +682,17 @@ def measure(
     5
     """
     from mosaic._eval.runtime import parse_gpu_layers
-    from mosaic._measure.run import MeasureRequest
+    from mosaic._measure.request import MeasureRequest, check_retired
     from mosaic._measure.run import measure as _measure
     from mosaic._plan.planner import parse_size
+
+    check_retired(calibrate, curve, refine, max_size)
 
     if merge is not None:
         from mosaic._measure.shards import merge as _merge
 
         given = [k for k, v in (("base", base), ("donors", donors), ("reference", reference), ("text", text),
-                                ("shard", shard), ("only_layers", only_layers), ("sample_layers", sample_layers),
-                                ("imatrix", imatrix),
+                                ("shard", shard), ("only_layers", only_layers), ("imatrix", imatrix),
                                 ("max_size", max_size), ("ladder", ladder)) if v is not None] \
             + [k for k, on in (("refine", refine), ("imatrix_cap", imatrix_cap is not None)) if on]
         if given:
@@ -695,7 +704,6 @@ def measure(
     _in_range("--ctx", ctx, 2, 1 << 20)
     _in_range("--top-k", top_k, 1, 1 << 16)
     _in_range("--threads", threads, 1, 1024)
-    _in_range("--sample-layers", sample_layers, 0, 1 << 16)
     if only_layers is None or isinstance(only_layers, str):
         layers = only_layers
     elif not only_layers:
@@ -706,11 +714,18 @@ def measure(
                          None if text is None else Path(text), unit, layers, ctx, top_k, Path(out), resume, force,
                          None if workdir is None else Path(workdir), threads, verbose, method, calibrate, shard,
                          None if imatrix is None else os.fspath(imatrix), refine,
-                         parse_size(max_size) if isinstance(max_size, str) else max_size, parse_gpu_layers(gpu_layers), curve,
-                         ladder is not None, imatrix_cap, ladder_source, sample_layers)
+                         parse_size(max_size) if isinstance(max_size, str) else max_size, parse_gpu_layers(gpu_layers),
+                         curve, ladder is not None, imatrix_cap, ladder_source)
     with _running(progress, unit="candidates") as r:
         doc = _measure(req, r)
     return MeasureResult(Path(out), doc)
+
+
+def retired_option(option: str) -> str:
+    """The one line a retired option of ``measure`` gets (what the command line prints for it)."""
+    from mosaic._measure.request import retired
+
+    return str(retired(option))
 
 
 @_host_errors
@@ -722,25 +737,27 @@ def ladder(
     types: str | Sequence[str] | None = None,
     llama_quantize: PathLike | None = None,
     threads: int | None = None,
-    lean: bool = False,
+    lean: bool | None = None,
     min_bpw: float | None = None,
-    no_superseded: bool = False,
+    no_superseded: bool | None = None,
     progress: Progress = False,
 ) -> LadderResult:
     """Make the donors of a model from its own source: one GGUF per ggml type in ``out``, every quantizable
     tensor at that type, made by llama.cpp's ``llama-quantize`` (``llama_quantize``, else ``$MOSAIC_LLAMA_QUANTIZE``,
-    else ``PATH``), with the importance matrix ``imatrix`` where given; ``out/ladder.json`` records the tool, the
+    else ``PATH``, else the one ``make llama-tools`` built), with the importance matrix ``imatrix`` where given; ``out/ladder.json`` records the tool, the
     inputs' SHA-256, each rung's exact command and its fallbacks. Resumable: a rung made from the same inputs and
     still intact is kept. ``types``: ggml type names (default: every type llama.cpp's own mixer considers, less
-    those that need a matrix when none is given). ``lean``: a tensor at a type of no fewer bytes than its own in
-    the source keeps its source bytes there (no plan would take that version), and a type no tensor takes is not
-    made: a smaller, quicker ladder of a quantized source. ``min_bpw``: the types of fewer bits per weight are
-    not made (2.5 leaves out IQ1_S, IQ1_M, IQ2_XXS and IQ2_XS, the slowest rungs to make, which no plan of 2.5 bits a
-    weight or more took on the bench's models), and rungs of them an earlier run made leave the manifest.
+    those that need a matrix when none is given, and those under ``min_bpw``). ``lean``: a tensor at a type of no
+    fewer bytes than its own in the source keeps its source bytes there (no plan would take that version), and a
+    type no tensor takes is not made: a smaller, quicker ladder of a quantized source. ``min_bpw``: the types of
+    fewer bits per weight are not made (0: none left out), and rungs of them an earlier run made leave the manifest.
     ``no_superseded`` (with ``lean``): a 32-wide type (Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1) is made only for the tensors
     whose rows the 256-wide type of no more bytes that supersedes it (Q4_K, Q4_K, IQ4_XS, Q5_K, Q5_K), made too,
-    cannot take (no plan of the bench's models took one where they can; the others keep their source bytes); on a
-    model whose rows all divide 256 those rungs are not made. :func:`measure` and :func:`plan` take the folder as ``ladder``.
+    cannot take; on a model whose rows all divide 256 those rungs are not made. Left at None, each takes the
+    default the bench measured, decided by the source (:func:`mosaic._measure.rungs.options`): ``lean`` and
+    ``no_superseded`` over a quantization whose every type the ladder holds, a floor of 2.5 bits a weight under the
+    default types; ``notes`` says what a default left out. :func:`measure` and :func:`plan` take the folder as
+    ``ladder``.
 
     >>> from mosaic.testing.gguf import Geometry, write_llama_gguf
     >>> from mosaic.testing.quantize_tool import write_tool

@@ -11,9 +11,10 @@ base (one unit swapped into a broken model) it drowns in it.
 
 ``units`` calibration gives each measured unit its own alpha; ``kinds`` pools the units of a kind (``attn_v``,
 ``ffn_down``, ...: the unit's group; ``layer`` for whole layers) over the measured layers and gives the pooled
-alpha to that kind in every layer; ``groups`` reads the same sum from a few passes, each dropping a share of the
-kind's units (every few layers over the depth) together, so that no unit needs a drop of its own. A line assumes that a version costs what its weight error says, whatever its
-type; ``--curve versions`` measures each kind's units moved together to each version and multiplies the line
+alpha to that kind in every layer; ``pooled`` reads it from the kind's pass that moves every one of its units to
+its drop version together. The retired ``groups`` (a few passes, each dropping a share of the kind's units) and
+two-point curves (a second drop per unit, ``mid``) are still read from the documents that hold them. A line
+assumes that a version costs what its weight error says, whatever its type; ``--curve versions`` measures each kind's units moved together to each version and multiplies the line
 there by a factor, the measured rise over the predicted one, taken only as far as it is proved (:func:`credible`).
 Everything here is arithmetic on the document's own records, so the same functions assemble a measurement after
 one run and after ``--merge`` of its shards.
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 BASE = "base"
-#: the calibrations that give every unit of a kind one alpha
+#: the calibrations that give every unit of a kind one alpha (``groups``: retired, its documents still read)
 KIND_CALIBRATIONS = ("kinds", "pooled", "groups")
 
 
@@ -90,20 +91,6 @@ def measured_record(layer: int | None, group: str | None, kl: float, top1: float
     if mid is not None:
         rec["mid"] = mid
     return rec
-
-
-def mid_version(versions: Sequence[str], eps: Mapping[str, float], nbytes: Mapping[str, int], top: str,
-                to: str = BASE) -> str | None:
-    """The second point of a unit's curve: among its versions strictly between the top's and the drop's (``to``)
-    weight error, the one nearest their midpoint on a log scale (where a plan's versions lie: weight errors of the
-    ladder's types are spread by factors, not by steps); ties: the fewer bytes, then the donor id. ``None``
-    where no version lies between. A top at zero error (the teacher's own tensor) counts as 10⁻⁴ of the drop's."""
-    lo, hi = eps[top], eps[to]
-    inner = [v for v in versions if v not in (to, top) and lo < eps[v] < hi]
-    if not inner or hi <= 0:
-        return None
-    target = (math.log(max(lo, hi * 1e-4)) + math.log(hi)) / 2
-    return min(inner, key=lambda v: (abs(math.log(eps[v]) - target) if eps[v] > 0 else math.inf, nbytes[v], v))
 
 
 def curve_loss(m: Mapping[str, object], eps: float) -> tuple[float, float]:
@@ -185,19 +172,6 @@ def pooled_alphas(pooled: Sequence[Mapping[str, object]], rows: Sequence[Mapping
         a = Alpha(max(0.0, float(p["dkl"])) / den, float(p["dkl_se"]) / den) if den > 0 else Alpha(0.0, 0.0)  # type: ignore[arg-type]
         out[str(p["kind"])] = (a, len(p["units"]))  # type: ignore[arg-type]
     return dict(sorted(out.items()))
-
-
-#: ``--calibrate groups``: how many passes a kind's drops are shared among, whatever the depth.
-DROP_GROUPS = 4
-
-
-def drop_groups(layers: Sequence[int | None], n: int = DROP_GROUPS) -> list[list[int]]:
-    """``--calibrate groups``: the positions of one kind's units (``layers``, each unit's layer) dealt into at
-    most ``n`` groups, in order of depth, every ``n``-th unit to the same group: a group's units lie a share of
-    the depth apart, never neighbours (whose errors meet in the same part of the residual stream), and every
-    group spans the whole depth, as the sum of every unit's drop does."""
-    order = sorted(range(len(layers)), key=lambda i: (layers[i] is None, layers[i] or 0, i))
-    return [g for g in (sorted(order[j::n]) for j in range(min(n, len(order)))) if g]
 
 
 def group_alphas(groups: Sequence[Mapping[str, object]], rows: Sequence[Mapping[str, object]],

@@ -11,10 +11,10 @@ by held-out evidence where it was measured, never by one model's numbers:
 - over published quantizations (``--base``/``--donor``), where a model offers a handful of mixes: the method as
   it was measured there (README, "The rivals people ship"), since no flag gained on them.
 
-A flag given explicitly always wins; a default that cannot go with an explicit choice yields to it (a
-``--curve two-point`` is per unit, so calibration stays per unit; ``--refine`` is its own correction of the line,
-so the curve stays a line). ``--shard`` is the exception: it cannot take the versions curve and is refused with
-the flag that makes it possible, because a sharded measurement must mean what the unsharded one means.
+A flag given explicitly always wins; a default that cannot go with an explicit choice yields to it (a pooled
+alpha is read from the versions curve's passes, so ``--curve line`` calibrates by kinds). ``--shard`` is the
+exception: it cannot take the versions curve and is refused with the flag that makes it possible, because a
+sharded measurement must mean what the unsharded one means.
 
 Over a ladder the default is ``--calibrate pooled``: each kind's alpha is read from the versions curve's pass that
 moves all its units to their drop version together, and only a kind of one unit (the embedding, the output) has a
@@ -22,8 +22,10 @@ drop of its own, so the forward passes are set by the model's kinds and the ladd
 replaced one drop per unit (``--calibrate kinds``, 3.6 × the passes on Qwen2.5-Coder-1.5B) by the rule of
 bench/RESULTS.md ("`--calibrate pooled` on Qwen2.5-Coder-1.5B, decided on rows no choice saw"): on rows that no
 choice was made on, its plans held the drops' within one paired SE at every goal size of both models. With
-``--curve line`` (no pooled passes) or ``--sample-layers N`` the ladder's default falls back to ``kinds``. Under ``kinds``,
-``--sample-layers N`` runs the drops of N layers spread over the depth instead of every layer's.
+``--curve line`` (no pooled passes) the ladder's default falls back to ``kinds``.
+
+Over a ladder the unit is each tensor kind of each layer (``module-group``): a ladder holds every tensor at every
+type, and the plans the defaults were chosen by were made of those units.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-#: mosaic._measure.run's MeasureRequest (named here by its fields: run imports this module, not the reverse)
+#: mosaic._measure.request's MeasureRequest (named here by its fields: it is resolved here, defined there)
 Request = TypeVar("Request", bound=Any)
 
 
@@ -40,13 +42,13 @@ class Method:
     imatrix_cap: bool  # where an importance matrix is given and neither --imatrix-cap nor --no-imatrix-cap is
     calibrate: str  # of --method top-down (pooled over --only-layers, default every layer)
     curve: str  # of --method top-down
-    sample_layers: int  # under --calibrate kinds with neither --only-layers nor --refine: the layers whose drops run (0: every one)
+    unit: str | None  # what a candidate takes (None: layer-experts where the base has routed experts, else layer)
 
 
 #: ``--ladder DIR`` with no method flag.
-LADDER = Method(imatrix_cap=True, calibrate="pooled", curve="versions", sample_layers=0)
+LADDER = Method(imatrix_cap=True, calibrate="pooled", curve="versions", unit="module-group")
 #: ``--base``/``--donor`` with no method flag.
-DONORS = Method(imatrix_cap=False, calibrate="units", curve="line", sample_layers=0)
+DONORS = Method(imatrix_cap=False, calibrate="units", curve="line", unit=None)
 
 
 def resolved(req: Request) -> Request:
@@ -57,22 +59,11 @@ def resolved(req: Request) -> Request:
     curve = req.curve if req.curve is not None else (d.curve if top_down and not req.refine else "line")
     if req.calibrate is not None:
         calibrate = req.calibrate
-    elif not top_down or curve == "two-point":
+    elif not top_down:
         calibrate = "units"
-    elif d.calibrate in ("pooled", "groups") and (curve != "versions" or req.sample_layers):
-        calibrate = "kinds"  # a pooled alpha is read from the versions curve's passes; a sample of layers' drops fits kinds
+    elif d.calibrate == "pooled" and curve != "versions":
+        calibrate = "kinds"  # a pooled alpha is read from the versions curve's passes
     else:
         calibrate = d.calibrate
-    sample = (req.sample_layers if req.sample_layers is not None
-              else d.sample_layers if calibrate == "kinds" and req.only_layers is None and not req.refine else 0)
-    return dataclasses.replace(req, imatrix_cap=cap, curve=curve, calibrate=calibrate, sample_layers=sample)
-
-
-def spread(layers: list[int], n: int) -> list[int]:
-    """``n`` of ``layers`` (sorted), the middle one of each of ``n`` equal shares of them, so that each sampled
-    layer stands for the share of the depth it samples (a sample that always held the first and the last would
-    weigh them, usually the most sensitive, as a large part of every kind); all of them where there are no more
-    than ``n``."""
-    if n >= len(layers):
-        return list(layers)
-    return sorted({layers[round((i + 0.5) * len(layers) / n - 0.5)] for i in range(n)})
+    unit = req.unit if req.unit is not None else d.unit
+    return dataclasses.replace(req, imatrix_cap=cap, curve=curve, calibrate=calibrate, unit=unit)

@@ -9,7 +9,10 @@ fingerprint and names the first input that changed otherwise.
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -140,3 +143,16 @@ def stages(records: list[dict], weights_seconds: float) -> dict[str, dict[str, f
 def summed_stages(parts: Iterable[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Shards' ``timing.stages`` summed: the cost of every shard's passes (each shard's own base and top too)."""
     return _tally([(k, v["passes"], v["seconds"]) for st in parts for k, v in st.items()])
+
+
+def paired_se(a: list[float], b: list[float]) -> float:
+    """The paired standard error of the mean difference over rows (rows are the independent units)."""
+    d = [x - y for x, y in zip(a, b)]
+    return statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+
+
+def panel_record(kind: str, p: dict, t0: float, **extra: object) -> dict:
+    """The journal's record of one pass: its panel's mean KL, top-1 and NLL, each row's, and its seconds since
+    ``t0``."""
+    return {"kind": kind, **extra, "kl": p["kl"]["mean"], "top1": p["top1"], "nll": p["nll"],
+            "rows": [[r["kl"], r["top1"], r["nll"]] for r in p["rows"]], "seconds": time.monotonic() - t0}

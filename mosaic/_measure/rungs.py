@@ -32,6 +32,7 @@ the same command, is kept.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -47,12 +48,14 @@ from mosaic._base.progress import SILENT, Reporter
 from mosaic._checkpoint.gguf_model import GGUFModel, open_gguf_model
 from mosaic._formats.gguf_container import type_name
 from mosaic._formats.imatrix import read_imatrix
+from mosaic._formats.quantizable import quantizable
 from mosaic._sources.rung_set import (
     FTYPE_OF,
     LADDER_FILE,
     NEEDS_IMATRIX,
     SCHEMA_ID,
     bits_per_weight,
+    default_types,
     manifest_errors,
     parse_types,
     rung_intact,
@@ -74,15 +77,87 @@ class LadderRequest:
     types: str | None = None
     llama_quantize: str | None = None
     threads: int | None = None
-    lean: bool = False  # a tensor whose source type has no more bytes than the rung's kept at it; types none takes not made
-    min_bpw: float | None = None  # the types of fewer bits per weight are not made
-    no_superseded: bool = False  # with lean: a 32-wide type made only for tensors the 256-wide type superseding it cannot take
+    #: a tensor whose source type has no more bytes than the rung's kept at it; types none takes not made
+    #: (None: the default, :func:`options`)
+    lean: bool | None = None
+    min_bpw: float | None = None  # the types of fewer bits per weight are not made (None: the default; 0: no floor)
+    #: with lean: a 32-wide type made only for tensors the 256-wide type superseding it cannot take (None: as lean)
+    no_superseded: bool | None = None
     notes: list[str] = field(default_factory=list)
 
 
+#: The floor of the default types (``--min-bpw``): IQ1_S, IQ1_M, IQ2_XXS and IQ2_XS are not made. No plan of 2.5 bits
+#: a weight or more took one on either bench model, and without them the plans were the same files (bench/RESULTS.md,
+#: "A ladder without the four types under 2.5 bits").
+DEFAULT_MIN_BPW = 2.5
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a ladder is made with, each given or by default."""
+
+    lean: bool
+    min_bpw: float | None
+    no_superseded: bool
+
+    def as_dict(self) -> dict:
+        return {"lean": self.lean, "min_bpw": self.min_bpw, "no_superseded": self.no_superseded}
+
+
+def floor(req: LadderRequest) -> float | None:
+    """``--min-bpw``: as given (0: none), else :data:`DEFAULT_MIN_BPW` under the default types (a list of types
+    given is made as given)."""
+    if req.min_bpw is not None:
+        return None if req.min_bpw == 0 else req.min_bpw
+    return DEFAULT_MIN_BPW if req.types is None else None
+
+
+def options(req: LadderRequest, types: list[str], own: dict[str, str], notes: list[str]) -> Options:
+    """The ladder's choices where ``req`` leaves them open, decided by the source (``own``: each quantizable
+    tensor's type in it), each default that leaves something out said in one line of ``notes``, with the option
+    that brings it back.
+
+    ``--lean`` and ``--no-superseded`` (the bench's Qwen2.5-Coder-1.5B ladder, over its Q4_K_M) are the default
+    over a quantization whose every type the ladder holds: a rung keeping a tensor's source bytes then keeps a
+    version the ladder has anyway, and those bytes, lossless, are the top every pass is measured from. Where a type
+    of the source is not among the types asked (SmolLM2's Q4_1 under a list without it), keeping its bytes would
+    hold a type left out, so neither is the default (the bench's SmolLM2 ladder); nor over an unquantized source
+    (F16, BF16, F32), where no rung's type has as many bytes as a tensor's own: there is nothing to keep."""
+    quantized = sorted({t for t in own.values() if t not in _PLAIN})
+    if not quantized and req.no_superseded:
+        raise MosaicError(f"--no-superseded keeps a tensor's source bytes where a 256-wide type supersedes the rung's, and "
+                          f"no rung holds this source's ({', '.join(sorted(set(own.values())))}): not over an unquantized source")
+    lean = req.lean
+    if lean is None:
+        missing = [t for t in quantized if t not in types]
+        lean = bool(quantized) and not missing
+        if missing:
+            notes.append(f"not --lean: the source holds {', '.join(missing)}, which the types asked leave out, and a rung "
+                         "keeping a tensor's source bytes would hold it (--lean keeps them all the same)")
+        elif (not quantized and req.no_superseded is None and req.types is None
+              and any(SUPERSEDED.get(t) in types for t in types)):
+            notes.append(f"the source is unquantized ({', '.join(sorted(set(own.values())))}): no rung holds its bytes, so "
+                         "--lean and --no-superseded, the defaults over a quantization, are off, and the 32-wide types are "
+                         "made for every tensor")
+    no_superseded = req.no_superseded if req.no_superseded is not None else lean
+    low = floor(req)
+    if req.min_bpw is None and low is not None:
+        under = [t for t in default_types(True) if bits_per_weight(t) < low and (t not in NEEDS_IMATRIX or req.imatrix)]
+        if under:
+            notes.append(f"{', '.join(under)}: not made, under {low:g} bits a weight, the default floor (--min-bpw 0 "
+                         "makes them, for plans below it)")
+    return Options(lean, low, no_superseded)
+
+
+def made_tool() -> Path:
+    """Where ``make llama-tools`` builds llama-quantize (``~/.cache/mosaic/llama.cpp/build/bin``)."""
+    return Path.home() / ".cache" / "mosaic" / "llama.cpp" / "build" / "bin" / "llama-quantize"
+
+
 def find_tool(given: str | None) -> Path:
-    """``--llama-quantize``, else ``$MOSAIC_LLAMA_QUANTIZE``, else ``llama-quantize`` on ``PATH``."""
-    how = "build llama.cpp's tools with `make llama-tools`, then give --llama-quantize PATH (or set MOSAIC_LLAMA_QUANTIZE)"
+    """``--llama-quantize``, else ``$MOSAIC_LLAMA_QUANTIZE``, else ``llama-quantize`` on ``PATH``, else the one
+    ``make llama-tools`` built."""
+    how = "build llama.cpp's tools with `make llama-tools` (or give --llama-quantize PATH, or set MOSAIC_LLAMA_QUANTIZE)"
     for what, value in (("--llama-quantize", given), (TOOL_ENV, os.environ.get(TOOL_ENV))):
         if value:
             p = Path(value)
@@ -90,9 +165,12 @@ def find_tool(given: str | None) -> Path:
                 raise MosaicError(f"{what} {value}: not an executable file; {how}")
             return p.resolve()
     found = shutil.which("llama-quantize")
-    if found is None:
-        raise MosaicError(f"no llama-quantize found (not on PATH): {how}")
-    return Path(found).resolve()
+    if found is not None:
+        return Path(found).resolve()
+    made = made_tool()
+    if made.is_file() and os.access(made, os.X_OK):
+        return made.resolve()
+    raise MosaicError(f"no llama-quantize found (none on PATH, none at {made}): {how}")
 
 
 def _open_source(text: str) -> GGUFModel:
@@ -238,12 +316,12 @@ def rung_command(tool: Path, source: Path, tmp_name: str, rung_type: str, thread
 
 
 def _quantizable(model: GGUFModel) -> dict[str, int]:
-    """Tensors llama-quantize quantizes (2-D and wider weights; norms and biases stay F32), with their row width."""
-    return {t.name: t.ne[0] for t in model.tensors if len(t.ne) >= 2 and t.name.endswith(".weight")}
+    """Tensors llama-quantize quantizes (:func:`quantizable`), with their row width."""
+    return {t.name: t.ne[0] for t in model.tensors if quantizable(t.name, t.ne)}
 
 
 def _source_types(model: GGUFModel) -> dict[str, str]:
-    return {t.name: type_name(t.type_id) for t in model.tensors if len(t.ne) >= 2 and t.name.endswith(".weight")}
+    return {t.name: type_name(t.type_id) for t in model.tensors if quantizable(t.name, t.ne)}
 
 
 def _last_line(text: str) -> str:
@@ -251,10 +329,13 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "(it printed nothing)"
 
 
-def _read_back(path: Path, source: GGUFModel, rung_type: str, copies: set[str] = frozenset()) -> dict[str, str]:  # type: ignore[assignment]
-    """The rung as the strict reader sees it: the source's tensors, each at the rung's type, F32, or a
-    fallback (returned, by name), and each of ``copies`` the source's own type and bytes; anything else is
-    refused."""
+def _read_back(path: Path, source: GGUFModel, rung_type: str, planned: dict[str, str],
+               copies: set[str] = frozenset()) -> dict[str, str]:  # type: ignore[assignment]
+    """The rung as the strict reader sees it: the source's tensors, each quantizable one at the type it was asked
+    for (``planned``: the rung's type, a substitute, llama.cpp's row-width fallback or, with ``--lean``, the
+    source's own), every other one at its source type, and each of ``copies`` the source's own bytes; anything
+    else is refused. Returns the tensors at a type other than the rung's (and F32), by name: the manifest's
+    fallbacks."""
     from mosaic._formats.gguf_container import GGUFError, read_gguf
 
     try:
@@ -273,14 +354,20 @@ def _read_back(path: Path, source: GGUFModel, rung_type: str, copies: set[str] =
     fallbacks = {}
     src = source.by_name()
     for t in rung.tensors:
-        name = type_name(t.type_id)
+        name, own = type_name(t.type_id), type_name(src[t.name].type_id)
+        asked = planned.get(t.name)
+        if name != (asked or own):
+            what = (f"at {asked}, the type it was asked for" if asked is not None else
+                    f"at the source's {own}: llama-quantize does not quantize such a tensor")
+            raise MosaicError(f"the {rung_type} rung llama-quantize wrote holds {t.name} at {name}, not {what}; "
+                              "the tool's own rules differ from this mosaic's (a llama.cpp of another version?)")
         if name not in (rung_type, "F32"):
             fallbacks[t.name] = name
         if t.name in copies:
             s = src[t.name]
-            if t.type_id != s.type_id or not _same_bytes(path, rung.data_start + t.offset, source.path(s.file), s.start, s.nbytes):
+            if not _same_bytes(path, rung.data_start + t.offset, source.path(s.file), s.start, s.nbytes):
                 raise MosaicError(f"the {rung_type} rung llama-quantize wrote changed {t.name}, which it was told to keep "
-                                  f"at the source's {type_name(s.type_id)}: it is {name}, not the source's bytes")
+                                  f"at the source's {own}: it is not the source's bytes")
     return fallbacks
 
 
@@ -324,15 +411,21 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
     from mosaic._eval.runtime import default_threads
     from mosaic._measure.importance import local_path
 
-    if req.no_superseded and not req.lean:
+    if req.no_superseded and req.lean is False:
         # without --lean a superseded type can be the version nearest the source, the top every pass is measured
         # from (Q5_1 of a Q4_1 source: SmolLM2's ffn_down); with it the source's own bytes are that top
         raise MosaicError("--no-superseded needs --lean: without it a type it leaves out can be a tensor's version "
                           "nearest the source (Q5_1 of a Q4_1 source), the top a measurement starts from")
-    types = parse_types(req.types, req.imatrix is not None, req.min_bpw)
+    if req.min_bpw is not None and not (math.isfinite(req.min_bpw) and req.min_bpw >= 0):
+        raise MosaicError(f"--min-bpw {req.min_bpw}: expected a number of bits per weight, 0 or more (0: no floor)")
+    types = parse_types(req.types, req.imatrix is not None, floor(req))
     tool = find_tool(req.llama_quantize)
     source_path = Path(req.source)
     source = _open_source(req.source)
+    opts = options(req, types, _source_types(source), req.notes)
+    if req.no_superseded and not opts.lean:
+        raise MosaicError("--no-superseded needs --lean, which is not the default for this source (its types are not all "
+                          "among the types asked, or it is not a quantization): give --lean too")
     if len(source.files) > 1:
         raise MosaicError(f"SOURCE {req.source}: a split set; merge it first (llama-gguf-split --merge) so that one "
                           "file's SHA-256 names the source")
@@ -372,13 +465,13 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
         same_inputs = (old is not None and old["source"]["sha256"] == source_rec["sha256"]
                        and old["imatrix"] == imatrix_rec and old["tool"]["sha256"] == tool_sha)
         quantizable, own = _quantizable(source), _source_types(source)
-        superseded = {a: b for a, b in SUPERSEDED.items() if b in types} if req.no_superseded else {}
-        planned = {t: planned_types(quantizable, t, uncovered, own if req.lean else None, superseded) for t in types}
-        unmade = _unmade(types, planned, own) if req.lean else []
+        superseded = {a: b for a, b in SUPERSEDED.items() if b in types} if opts.no_superseded else {}
+        planned = {t: planned_types(quantizable, t, uncovered, own if opts.lean else None, superseded) for t in types}
+        unmade = _unmade(types, planned, own) if opts.lean else []
         # a type left out by --no-superseded (which comes with --lean): one some tensor would have taken without it
         gone = [t for t in unmade if t in superseded and t in planned_types(quantizable, t, uncovered, own).values()]
         cheaper = [t for t in unmade if t not in gone]
-        if req.lean:
+        if opts.lean:
             copy_substitutes(planned, own, [t for t in types if t not in unmade])
         if cheaper:
             req.notes.append(f"{', '.join(cheaper)}: not made: no tensor of the source has fewer bytes at "
@@ -402,7 +495,7 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
         elif old is not None:
             req.notes.append(f"{out / LADDER_FILE}: made from other inputs (source, importance matrix or tool); "
                              "every rung is made again")
-        doc = {"schema": SCHEMA_ID,
+        doc = {"schema": SCHEMA_ID, "options": opts.as_dict(),
                "tool": {"path": str(tool), "version": old["tool"]["version"] if same_inputs and old else "", "sha256": tool_sha},
                "source": source_rec, "imatrix": imatrix_rec, "rungs": []}
         stem = re.sub(r"[^A-Za-z0-9._-]+", "-", source_path.name.removesuffix(".gguf")).strip(".-") or "model"
@@ -423,9 +516,9 @@ def make_ladder(req: LadderRequest, progress: Reporter = SILENT) -> dict:
         # the rungs of other types an earlier run made of the same inputs stay in the ladder, but for those under
         # --min-bpw: the floor is asked of the ladder measure and plan read, not only of the rungs made now
         others = [r for t, r in kept.items() if t not in types]
-        under = [r for r in others if req.min_bpw is not None and bits_per_weight(r["type"]) < req.min_bpw]
+        under = [r for r in others if opts.min_bpw is not None and bits_per_weight(r["type"]) < opts.min_bpw]
         if under:
-            req.notes.append(f"{', '.join(r['type'] for r in under)}: under --min-bpw {req.min_bpw:g}, left out of "
+            req.notes.append(f"{', '.join(r['type'] for r in under)}: under --min-bpw {opts.min_bpw:g}, left out of "
                              f"{LADDER_FILE}; their files stay in {out} ({', '.join(r['file'] for r in under)})")
         doc["rungs"] += [r for r in others if r not in under]
         order = {t: i for i, t in enumerate(FTYPE_OF)}
@@ -476,7 +569,7 @@ def _make_rung(tool: Path, source: GGUFModel, source_path: Path, out: Path, stem
             why = f"exit {proc.returncode}" if proc.returncode >= 0 else f"signal {-proc.returncode}"
             raise MosaicError(f"llama-quantize failed making the {rung_type} rung ({why}): {_last_line(proc.stdout)}")
         seconds = round(time.monotonic() - t0, 3)
-        fallbacks = _read_back(out / tmp, source, rung_type, copies)
+        fallbacks = _read_back(out / tmp, source, rung_type, planned, copies)
         d = digest_file(out / tmp)
         os.replace(out / tmp, out / final)
     finally:

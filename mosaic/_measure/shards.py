@@ -186,6 +186,10 @@ def _merge(parts: list[Path], out: Path, force: bool) -> dict:
             doc["timing"]["preloaded"] = sum(t.get("preloaded", 0) for t in timed)
         if any("stages" in t for t in timed):  # every shard's passes, the teacher's once per shard that ran it
             doc["timing"]["stages"] = summed_stages(t.get("stages", {}) for t in timed)
+    decoded = [d["dequantizer"] for _, d in by_k.values() if "dequantizer" in d]
+    if decoded:  # what decoded each type in any shard (a shard whose sums came from the cache decoded none)
+        doc["dequantizer"] = {"mode": decoded[0]["mode"], "library": next((x["library"] for x in decoded if x["library"]), None),
+                              "types": dict(sorted({t: h for x in decoded for t, h in x["types"].items()}.items()))}
     doc["seconds_per_candidate"] = (round(sum(c * (d["seconds_per_candidate"] or 0.0) for c, d in ran) / total, 3)
                                     if total else None)
     # one run: the teacher, the base (and the top) once, and every candidate

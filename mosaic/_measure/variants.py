@@ -15,7 +15,7 @@ and :func:`derive` says for how many units in a note of the document it returns.
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 from mosaic._base.errors import MosaicError
 from mosaic._measure.calibrate import BASE, alpha_of, complete, drop_version, kind_of, unit_key
@@ -59,14 +59,10 @@ def _ends(versions: Mapping[str, tuple[float, int]]) -> tuple[str, str]:
     return top, worst
 
 
-def derive(doc: Mapping[str, object], *, calibrate: str, curve: str, weights: Mapping[str, object] | None = None,
-           layers: Collection[int] | None = None) -> dict:
+def derive(doc: Mapping[str, object], *, calibrate: str, curve: str, weights: Mapping[str, object] | None = None) -> dict:
     """The document a top-down measurement with ``--calibrate calibrate --curve curve`` would have written from
     the passes of ``doc`` (a complete top-down document, not a shard); with ``weights`` (a ``--method weights``
-    document of the same sources), its weight errors in place of ``doc``'s; with ``layers`` (``--calibrate
-    kinds`` only), the drops of those layers alone pooled, as ``--sample-layers`` measures them (the units
-    outside the layers, ``token_embd`` and ``output``, keep theirs; the pooled candidates stay those of every
-    layer, which a sampled measurement moves as well).
+    document of the same sources), its weight errors in place of ``doc``'s.
 
     Refused: a document whose passes cannot give the variant (``--curve versions`` from one that has no pooled
     candidates, a unit with no drop of its own, a two-point curve or a refinement, which no other variant reads
@@ -80,8 +76,6 @@ def derive(doc: Mapping[str, object], *, calibrate: str, curve: str, weights: Ma
         raise MosaicError("--calibrate pooled reads each kind's alpha from its pooled pass: it needs --curve versions")
     if curve == "versions" and not doc.get("pooled"):  # type: ignore[attr-defined]
         raise MosaicError("--curve versions needs the pooled candidates of a measurement made with it")
-    if layers is not None and calibrate != "kinds":
-        raise MosaicError("a sample of layers calibrates kinds: each unit outside it has no drop of its own")
     out = copy.deepcopy(dict(doc))
     measured = {unit_key(m["layer"], m["group"]): m for m in out["measured"]}
     have = _versions(out)
@@ -115,15 +109,6 @@ def derive(doc: Mapping[str, object], *, calibrate: str, curve: str, weights: Ma
         out["settings"]["weights_reference"] = weights["settings"]["weights_reference"]  # type: ignore[index]
         notes.append(f"weight errors of another weighting than the passes were chosen by: under it, {moved_top} units' top "
                      f"and {moved_drop} units' drop would be at other versions")
-    if layers is not None:
-        have_layers = {m["layer"] for m in out["measured"] if m["layer"] is not None}
-        if not set(layers) <= have_layers or not layers:
-            raise MosaicError(f"layers {sorted(set(layers) - have_layers) or '(none)'}: not among the measured layers")
-        kept = [m for m in out["measured"] if m["layer"] is None or m["layer"] in set(layers)]
-        out["forward_passes"] -= len(out["measured"]) - len(kept)  # type: ignore[operator]
-        out["measured"] = kept
-        out["settings"]["sampled_layers"] = sorted(set(layers))
-        notes.append(f"the drops of layers {','.join(map(str, sorted(set(layers))))} alone, of a measurement of every layer")
     if calibrate == "pooled":
         out["measured"], dropped = pooled_calibration(out["measured"], out["pooled"])
         out["forward_passes"] -= dropped  # type: ignore[operator]

@@ -37,6 +37,7 @@ from mosaic._base.progress import SILENT, Reporter
 from mosaic._build.digest_cache import cache_root
 from mosaic._eval.backends import exllamav3_rows
 from mosaic._formats import ggml_dequant
+from mosaic._formats.gguf_container import type_name
 from mosaic._measure.importance import Importance
 
 #: Working memory of all threads together, whatever the tensors (raw bytes, dequantized floats, float64
@@ -281,6 +282,7 @@ def tensor_sums(tasks: Sequence[Task], threads: int, progress: Reporter = SILENT
     if not todo:
         return out
     types = {x.type_id for t in todo for x in (t.ref, *t.versions)}
+    _probe(todo)
     chunk = chunk_elements(types, threads)
     advance = progress.step("weight errors (dequantized and compared)", sum(t.ref.elements * (1 + len(t.versions)) for t in todo))
 
@@ -301,6 +303,32 @@ def tensor_sums(tasks: Sequence[Task], threads: int, progress: Reporter = SILENT
     return out
 
 
+def _probe(tasks: Sequence[Task]) -> None:
+    """Each quantized type's decoder decided before the sums start (:func:`ggml_dequant.verify`), from blocks
+    spread over the largest tensor of that type among ``tasks``: the C function is held to gguf-py across a
+    tensor's whole range, not only its first chunk."""
+    largest: dict[int, Stored] = {}
+    for t in tasks:
+        for x in (t.ref, *t.versions):
+            if x.type_id not in largest or x.nbytes > largest[x.type_id].nbytes:
+                largest[x.type_id] = x
+    for type_id, x in largest.items():
+        try:
+            per, size = _block(type_id)
+        except FormatError:
+            continue  # the sums themselves say it
+        if per == 1:  # F32, F16, BF16, the integers: converted, not decoded
+            continue
+        offsets = ggml_dequant.spread_blocks(x.nbytes, type_id)
+        fd = os.open(x.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            raw = b"".join(os.pread(fd, size, x.start + at) for at in offsets)
+        finally:
+            os.close(fd)
+        if len(raw) == size * len(offsets):
+            ggml_dequant.verify(np.frombuffer(raw, dtype=np.uint8), type_id)
+
+
 def ratio(err: float, sq: float) -> float:
     """``eps`` of sums: relative where the reference has any weight, the plain squared error otherwise."""
     return err / sq if sq > 0 else err
@@ -314,6 +342,7 @@ class Errors:
     eps: dict[tuple[int, str], float]
     reference: str
     weighted: tuple[str, ...] = ()  # the tensors whose squares an importance matrix weighted
+    types: tuple[str, ...] = ()  # the ggml types of the tensors compared (the versions' and the references')
 
 
 def _stored(model: object, t: object, digests: dict[str, str]) -> Stored:
@@ -369,7 +398,8 @@ def gguf_errors(units: Sequence[object], versions: dict[str, object], digests: d
             eps[(ui, vid)] = ratio(err, sq)
     kind = MIXED if 0 < from_teacher < len(refs) else TEACHER if from_teacher else MOST_BITS
     weighted = tuple(t.name for t in tasks if t.weighting is not None)
-    return Errors(eps, kind, weighted)
+    types = tuple(sorted({type_name(x.type_id) for t in tasks for x in (t.ref, *t.versions)}))
+    return Errors(eps, kind, weighted, types)
 
 
 # ------------------------------------------------------------------------------------------------ EXL3

@@ -31,7 +31,7 @@ from mosaic._plan.measurement import measurement_in
 from mosaic._plan.planner import recipe_lock, write_recipe
 from mosaic._plan.scores import ScoresError, read_scores_file
 from mosaic._plan.solver import Option, Solution, choose_count, greedy, shift, solve_pareto
-from mosaic._plan.units import PlanError
+from mosaic._plan.units import PlanError, TooSmall
 from mosaic._recipe.document import Recipe, SourceSpec, component_match, layer_runs, parse_recipe
 from mosaic._recipe.gguf_rules import GROUPS, module_patterns
 from mosaic._sources.gguf import gguf_source, is_gguf_src, open_gguf_source
@@ -239,7 +239,7 @@ def _both_ways(options: list[list[Option]], room: int, asked: str, smallest: Cal
     together save is refused, naming the smallest plan there is."""
     sh = shift(options)
     if room < sh.floor_cost:
-        raise PlanError(f"{asked}: no plan is that small; the smallest possible (every unit at its version of fewest "
+        raise TooSmall(f"{asked}: no plan is that small; the smallest possible (every unit at its version of fewest "
                         f"bytes) is {smallest(sh.floor_cost)}")
     exact = solve_pareto(sh.rows, room - sh.floor_cost)
     assert exact is not None  # the floors alone fit

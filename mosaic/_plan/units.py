@@ -22,6 +22,10 @@ class PlanError(MosaicError):
     """The planning request cannot be met (budget too small, nothing to choose)."""
 
 
+class TooSmall(PlanError):
+    """A budget below the smallest plan the versions at hand allow (a ladder's floor may be why)."""
+
+
 # --- units --------------------------------------------------------------------------------------
 
 

@@ -134,6 +134,7 @@ class RungSet:
     donors: tuple[Rung, ...]
     source_sha256: str  # the model the rungs were made of, as ladder.json records it
     source_bytes: int
+    min_bpw: float | None = None  # the floor it was made with (ladder.json's options; None: none, or not recorded)
 
 
 def rung_intact(folder: Path, rec: dict) -> bool:
@@ -166,4 +167,5 @@ def open_ladder(folder: str | Path) -> RungSet:
     order = {t: i for i, t in enumerate(TYPES)}
     base = min(rungs, key=lambda r: (r.bytes, order.get(r.type, len(order))))
     donors = tuple(sorted((r for r in rungs if r is not base), key=lambda r: order.get(r.type, len(order))))
-    return RungSet(folder, base, donors, doc["source"]["sha256"], doc["source"]["bytes"])
+    return RungSet(folder, base, donors, doc["source"]["sha256"], doc["source"]["bytes"],
+                   doc.get("options", {}).get("min_bpw"))

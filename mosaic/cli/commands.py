@@ -403,56 +403,58 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
         render_eval(_console(), doc)
 
 
+def _retired(option: str) -> Callable[[click.Context, click.Parameter, object], object]:
+    """A hidden option that is refused in one line where given: retired, with where its evidence is."""
+
+    def refuse(ctx: click.Context, param: click.Parameter, value: object) -> object:
+        if value is not None:
+            _fail(api.retired_option(option), 2)
+        return value
+
+    return refuse
+
+
 @main.command("measure")
 @click.argument("parts", nargs=-1, metavar="[PART.json...]", type=click.Path(path_type=Path))
-@click.option("--base", "base", default=None, metavar="SRC", help="The base: a .gguf file, a split set's first file, a folder, or org/name@<commit>:<file>.")
-@click.option("--donor", "donors", multiple=True, metavar="ID=SRC", help="A donor quantization of the same model (repeatable).")
 @click.option("--ladder", "ladder", default=None, type=click.Path(path_type=Path), metavar="DIR",
-              help="A ladder made by mosaic ladder, in place of --base/--donor: its smallest rung the base, every other a donor.")
+              help="A ladder made by mosaic ladder: its smallest rung the base, every other a donor (in place of "
+                   "--base/--donor).")
 @click.option("--reference", "reference", default=None, metavar="REF",
               help="The teacher: a model (run once here), or a reference saved by mosaic eval --save-reference (.npz); "
                    "optional with --method weights (its tensors are the weights' reference when it is a model).")
 @click.option("--text", "text", default=None, type=click.Path(path_type=Path), help="The rows to measure on (as for mosaic eval).")
-@click.option("--method", type=click.Choice(["top-down", "weights", "swaps"]), default="top-down", show_default=True,
-              help="top-down: weight errors from the files, calibrated by one drop from the top model per unit; "
-                   "weights: the weight errors alone (no model runs); swaps: every base + one unit from one donor, run.")
-@click.option("--calibrate", type=click.Choice(["units", "kinds", "pooled", "groups"]), default=None,
-              help="top-down: each unit's own sensitivity, or one per kind of unit pooled over --only-layers (default every "
-                   "layer) and given to every layer; pooled: one per kind read from its pooled pass at its drop version "
-                   "(--curve versions); groups: one per kind from 4 passes, each dropping every 4th of its units "
-                   "together. With pooled or groups only a kind of one unit (the embedding, the output) has a drop of its own: "
-                   "the passes do not grow with the layers. "
-                   "[default: pooled over --ladder (kinds with --curve line or --sample-layers), units otherwise]")
-@click.option("--curve", type=click.Choice(["line", "two-point", "versions"]), default=None,
-              help="top-down: each unit's loss as the line through its drop to its worst version; two-point: two lines "
-                   "through a second drop to the version halfway (log scale) between the top's and the worst's weight "
-                   "errors; versions: the line times its kind's factor at each version, measured by moving the kind's "
-                   "units there together (one forward pass per kind and version). "
-                   "[default: versions over --ladder, line otherwise; line with --refine]")
-@click.option("--unit", type=click.Choice(["layer", "layer-experts", "module-group"]), default=None,
-              help="What a candidate takes from a donor (default: layer-experts where the base has routed experts, else layer).")
-@click.option("--only-layers", "only_layers", default=None, metavar="LIST", help="Measure only these layers, e.g. 0-5,9,12.")
-@click.option("--sample-layers", "sample_layers", type=click.IntRange(0, 1 << 16), default=None, metavar="N",
-              help="--calibrate kinds: the drops run at N layers, the middle one of each of N equal shares of the "
-                   "depth, each kind's factor fitted from them; the versions curve still moves every layer's units: "
-                   "the passes no longer grow with the layers. [default: 0, every layer]")
-@click.option("--ctx", type=click.IntRange(2, 1 << 20), default=None, help="Tokens per window (default 512, or the saved reference's).")
-@click.option("--top-k", "top_k", type=click.IntRange(1, 1 << 16), default=None, help="Teacher log-probabilities kept per position (default 32).")
 @click.option("--imatrix", "imatrix", default=None, metavar="SRC",
               help="An importance matrix (llama-imatrix's .gguf or .dat; a file or org/name@<commit>:<file>) weighting "
                    "every weight error by how much each input channel matters (GGUF bases).")
+@click.option("--out", "out", type=click.Path(path_type=Path), default=Path("measurement.json"), show_default=True,
+              help="The measurement document, written when every candidate has run.")
+@click.option("--base", "base", default=None, metavar="SRC", help="The base: a .gguf file, a split set's first file, a folder, or org/name@<commit>:<file>.")
+@click.option("--donor", "donors", multiple=True, metavar="ID=SRC", help="A donor quantization of the same model (repeatable).")
+@click.option("--unit", type=click.Choice(["layer", "layer-experts", "module-group"]), default=None,
+              help="What a candidate takes from a donor. [default: module-group over --ladder; else layer-experts where "
+                   "the base has routed experts, else layer]")
+@click.option("--method", type=click.Choice(["top-down", "weights", "swaps"]), default="top-down", show_default=True,
+              help="top-down: weight errors from the files, calibrated from the top model (over --ladder by each kind's "
+                   "units moved together to each version; else one drop per unit); weights: the weight errors alone (no "
+                   "model runs); swaps: every base + one unit from one donor, run.")
+@click.option("--calibrate", default=None, metavar="[units|kinds|pooled]",
+              help="top-down: each unit's own sensitivity from its drop, or one per kind of unit pooled over "
+                   "--only-layers (default every layer) and given to every layer; pooled: one per kind read from its "
+                   "pooled pass at its drop version (--curve versions), no drop per unit. "
+                   "[default: pooled over --ladder (kinds with --curve line), units otherwise]")
+@click.option("--curve", default=None, metavar="[line|versions]",
+              help="top-down: each unit's loss as the line through its drop to its worst version; versions: the line "
+                   "times its kind's factor at each version, measured by moving the kind's units there together (one "
+                   "forward pass per kind and version). [default: versions over --ladder, line otherwise]")
 @click.option("--imatrix-cap/--no-imatrix-cap", "imatrix_cap", default=None,
               help="Hold each channel's importance under a robust ceiling (its row's median × e^(3.5 robust SDs of the "
                    "logs)), so that one channel of massive activations cannot hide every other channel's error. "
                    "[default with --imatrix: on over --ladder, off otherwise]")
-@click.option("--refine", type=click.IntRange(1, 100), default=None, metavar="N",
-              help="top-down: up to N rounds measured where the plan of --max-size lands (one move of every unit from it), "
-                   "each kind of unit rescaled by what its moves measured, until the plan repeats.")
-@click.option("--max-size", "max_size", default=None, metavar="SIZE", help="The budget --refine plans at (bytes, or 93.5M, 2GiB...).")
+@click.option("--only-layers", "only_layers", default=None, metavar="LIST", help="Measure only these layers, e.g. 0-5,9,12.")
+@click.option("--ctx", type=click.IntRange(2, 1 << 20), default=None, help="Tokens per window (default 512, or the saved reference's).")
+@click.option("--top-k", "top_k", type=click.IntRange(1, 1 << 16), default=None, help="Teacher log-probabilities kept per position (default 32).")
 @click.option("--shard", default=None, metavar="K/N", help="Run only the K-th of N shares of the candidates (join the parts with --merge).")
 @click.option("--merge", is_flag=True, help="Join the documents PART.json... of a sharded measurement into --out (no other input).")
-@click.option("--out", "out", type=click.Path(path_type=Path), default=Path("measurement.json"), show_default=True,
-              help="The measurement document, written when every candidate has run.")
 @click.option("--workdir", type=click.Path(path_type=Path), default=None,
               help="Where the base and the donors' units are laid out once (default: beside --out); removed at the end.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted measurement (<out>.partial) with the same inputs.")
@@ -462,14 +464,19 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
               help="Layers llama.cpp offloads to the GPU (default: all where the runtime can offload, else 0).")
 @click.option("--verbose", is_flag=True, help="Show the runtime's own log lines on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurement document on stdout.")
+@click.option("--sample-layers", hidden=True, default=None, expose_value=False, callback=_retired("--sample-layers"))
+@click.option("--refine", type=click.IntRange(1, 100), default=None, hidden=True,
+              help="Retired; with MOSAIC_EXPERIMENTS=1: up to N rounds measured where the plan of --max-size lands.")
+@click.option("--max-size", "max_size", default=None, hidden=True, help="With --refine: the budget it plans at.")
 @_guarded
-def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ...], ladder: Path | None, reference: str | None, text: Path | None,
-                method: str, calibrate: str | None, curve: str | None, unit: str | None, only_layers: str | None,
-                sample_layers: int | None, ctx: int | None,
-                top_k: int | None, imatrix: str | None, imatrix_cap: bool | None, refine: int | None, max_size: str | None, shard: str | None, merge: bool, out: Path, workdir: Path | None, resume: bool,
-                force: bool, threads: int | None, gpu_layers: str | None, verbose: bool, as_json: bool) -> None:
-    """Measure what each unit buys from each donor, on the model, for mosaic plan: by default from the weight
-    errors in the files, calibrated from the top (one forward pass per unit); --merge joins a sharded one."""
+def measure_cmd(parts: tuple[Path, ...], ladder: Path | None, reference: str | None, text: Path | None, imatrix: str | None,
+                out: Path, base: str | None, donors: tuple[str, ...], unit: str | None, method: str, calibrate: str | None,
+                curve: str | None, imatrix_cap: bool | None, only_layers: str | None, ctx: int | None, top_k: int | None,
+                shard: str | None, merge: bool, workdir: Path | None, resume: bool, force: bool, threads: int | None,
+                gpu_layers: str | None, verbose: bool, as_json: bool, refine: int | None, max_size: str | None) -> None:
+    """Measure what each unit buys from each donor, for mosaic plan: the weight errors in the files, calibrated
+    from the model itself. Over a ladder, with no method flag: mosaic measure --ladder DIR --reference TEACHER
+    --text ROWS --imatrix MATRIX. --merge joins a sharded measurement."""
     from mosaic.cli.render import render_measurement
 
     if parts and not merge:
@@ -478,20 +485,16 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
         raise MosaicError("--merge: name the shards' documents (PART.json ...)")
     if merge:
         res = api.measure(merge=list(parts), out=out, force=force, base=base, donors=list(donors) or None,
-                          reference=reference, text=text, shard=shard, only_layers=only_layers,
-                          sample_layers=sample_layers, imatrix=imatrix,
-                          imatrix_cap=imatrix_cap, refine=refine or 0, max_size=max_size, ladder=ladder)
+                          reference=reference, text=text, shard=shard, only_layers=only_layers, imatrix=imatrix,
+                          imatrix_cap=imatrix_cap, ladder=ladder, refine=refine or 0, max_size=max_size)
     else:
         if ladder is None and (base is None or not donors):
             raise MosaicError("give --base SRC and at least one --donor ID=SRC, or --ladder DIR (or --merge PART.json ...)")
         res = api.measure(base=base, donors=list(donors) or None, ladder=ladder, reference=reference, text=text,
-                          method=method, calibrate=calibrate,
-                          curve=curve,
-                          unit=unit, only_layers=only_layers, sample_layers=sample_layers, ctx=ctx, top_k=top_k,
-                          shard=shard, imatrix=imatrix,
-                          imatrix_cap=imatrix_cap, refine=refine or 0, max_size=max_size, out=out, workdir=workdir,
+                          method=method, calibrate=calibrate, curve=curve, unit=unit, only_layers=only_layers, ctx=ctx,
+                          top_k=top_k, shard=shard, imatrix=imatrix, imatrix_cap=imatrix_cap, out=out, workdir=workdir,
                           resume=resume, force=force, threads=threads, gpu_layers=gpu_layers, verbose=verbose,
-                          progress=_bars(as_json))
+                          progress=_bars(as_json), refine=refine or 0, max_size=max_size)
     doc = res.as_dict()
     if as_json:
         _emit_json(doc)
@@ -511,22 +514,28 @@ def measure_cmd(parts: tuple[Path, ...], base: str | None, donors: tuple[str, ..
 @click.option("--llama-quantize", "llama_quantize", default=None, metavar="PATH",
               help="llama.cpp's llama-quantize (default: $MOSAIC_LLAMA_QUANTIZE, else the one on PATH; make llama-tools builds it).")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None, help="The tool's threads (default: every core).")
-@click.option("--lean", is_flag=True,
+@click.option("--lean/--no-lean", "lean", default=None,
               help="A tensor at a rung's type of no fewer bytes than its own in the source keeps its source bytes "
-                   "there (no plan would take that version), and a type no tensor takes is not made.")
+                   "there (no plan would take that version), and a type no tensor takes is not made. [default: on over "
+                   "a quantization whose every type the ladder holds; off otherwise, with a note]")
 @click.option("--min-bpw", "min_bpw", type=float, default=None, metavar="BITS",
-              help="Make no type of fewer bits per weight (2.5 leaves out IQ1_S, IQ1_M, IQ2_XXS and IQ2_XS, the slowest "
-                   "rungs to make); rungs of them an earlier run made leave ladder.json.")
-@click.option("--no-superseded", "no_superseded", is_flag=True,
+              help="Make no type of fewer bits per weight; 0: no floor. Rungs of them an earlier run made leave "
+                   "ladder.json. [default: 2.5 with the default types (IQ1_S, IQ1_M, IQ2_XXS and IQ2_XS not made), "
+                   "none with --types]")
+@click.option("--no-superseded/--superseded", "no_superseded", default=None,
               help="With --lean: a 32-wide type (Q4_0, Q4_1, IQ4_NL, Q5_0, Q5_1) is made only for the tensors whose rows "
                    "the 256-wide type of no more bytes that supersedes it (Q4_K, Q4_K, IQ4_XS, Q5_K, Q5_K), made too, "
-                   "cannot take (the others keep their source bytes); no plan of the bench's models took one where they can.")
+                   "cannot take (the others keep their source bytes). [default: as --lean]")
 @click.option("--json", "as_json", is_flag=True, help="Print ladder.json on stdout.")
 @_guarded
 def ladder_cmd(source: str, out: Path, imatrix: str | None, types: str | None, llama_quantize: str | None,
-               threads: int | None, lean: bool, min_bpw: float | None, no_superseded: bool, as_json: bool) -> None:
+               threads: int | None, lean: bool | None, min_bpw: float | None, no_superseded: bool | None, as_json: bool) -> None:
     """Make the donors from the model's own source with llama.cpp's llama-quantize: one GGUF per type, every
-    quantizable tensor at that type, and ladder.json; measure and plan take the folder as --ladder DIR."""
+    quantizable tensor at that type, and ladder.json; measure and plan take the folder as --ladder DIR.
+
+    The defaults are the ladder the bench measured, decided by the source: over a quantization whose types the
+    ladder holds, --lean --no-superseded --min-bpw 2.5; otherwise --min-bpw 2.5 alone. A default that leaves
+    something out says so in one line, with the option that brings it back."""
     from mosaic.cli.render import render_ladder
 
     res = api.ladder(source, out=out, imatrix=imatrix, types=types, llama_quantize=llama_quantize, threads=threads,

@@ -372,10 +372,17 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
     each = f" ({doc['seconds_per_candidate']:.2f} s per candidate)" if doc.get("seconds_per_candidate") else ""
     console.print(f"[bold]{what}[/bold]: {len(doc['results'])} results ({s['unit']} units, method {s['method']}"
                   f"{', calibrated by ' + s['calibrate'] if s['method'] == 'top-down' else ''}"
-                  f"{', two drops per unit' if s.get('curve') == 'two-point' else ''}"
                   f"{', each kind measured at its versions' if s.get('curve') == 'versions' else ''}), {doc['forward_passes']} forward "
                   f"passes in {doc['seconds']:.0f} s{each}; wrote {lit(str(out))}")
     console.print(f"weights compared with: {lit(s['weights_reference'])}")
+    rt, dq = doc.get("runtime"), doc.get("dequantizer")
+    if rt or dq:
+        by: dict[str, list[str]] = {}
+        for t, how in ((dq or {}).get("types") or {}).items():
+            by.setdefault(how, []).append(t)
+        decoded = "; ".join(f"{'ggml' if how == 'ggml' else 'gguf-py'}: {', '.join(ts)}" for how, ts in sorted(by.items()))
+        console.print(f"ran on: {lit(rt['name'] + ' ' + rt['version']) if rt else 'no runtime'}"
+                      + (f"; weights decoded by {decoded}" if decoded else "; weight errors from mosaic's cache" if dq else ""))
     im = s.get("imatrix")
     if im is not None:
         console.print(f"weighted by the importance matrix sha256 {im['sha256']} ({im['format']}, {len(im['weighted'])} tensors; "
@@ -395,9 +402,6 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
         if quiet:  # a plan orders units by their drops: those inside their noise are ordered by chance
             console.print(f"{quiet} of {len(doc['measured'])} drops are within two standard errors of none: the rows "
                           "measured cannot tell them apart (more rows can)")
-    if doc.get("groups"):
-        console.print(f"{len(doc['groups'])} passes each dropping a group of a kind's units together "
-                      f"({', '.join(sorted({lit(g['kind']) for g in doc['groups']}))}): their kinds' alphas")
     for kind, c in (doc.get("calibration") or {}).items():
         console.print(f"kind {lit(kind)}: alpha {c['alpha']:.4g} ± {c['alpha_se']:.2g} from {c['units']} units")
     pooled: dict[str, list[str]] = {}

@@ -1,11 +1,11 @@
-"""A measurement whose cost does not grow with the depth: under ``--calibrate kinds`` the drops run at a few
-layers spread over it (``--sample-layers``), the versions curve still moving every layer's units; the fit that
-turns those passes into sensitivities recovers known ones, within its standard errors, from a seeded scorer of
-the model's own form; and no pass measures a version no plan can take."""
+"""A measurement whose cost does not grow with the depth: over a ladder each kind's sensitivity is read from its
+pooled pass (every layer's units moved together), the versions curve from its other pooled passes; the fit that
+turns passes into sensitivities recovers known ones, within its standard errors, from a seeded scorer of the
+model's own form; no pass measures a version no plan can take; and the options retired for no gain are refused,
+naming where their evidence is."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 
@@ -16,21 +16,10 @@ import mosaic
 from mosaic._base.errors import MosaicError
 from mosaic._measure import defaults
 from mosaic._measure.calibrate import BASE, kind_alphas, measured_record, unit_key, version_factors
-from mosaic._measure.run import MeasureRequest, _check_request
+from mosaic._measure.request import MeasureRequest, check_request
 from mosaic.testing.gguf import Geometry, imatrix_targets, imatrix_values, write_imatrix, write_llama_gguf
 from mosaic.testing.quantize_tool import write_tool
 from tests.conftest import needs_runtime
-
-#: The sample these tests take (bench/RESULTS.md tried 4 and 6).
-SAMPLE = 4
-
-
-def test_spread_takes_the_middle_of_equal_shares_of_the_depth() -> None:
-    assert defaults.spread(list(range(30)), 4) == [3, 11, 18, 26]
-    assert defaults.spread(list(range(28)), 4) == [3, 10, 17, 24]
-    assert defaults.spread(list(range(60)), 4) == [7, 22, 37, 52]
-    assert defaults.spread([3, 5, 9], 4) == [3, 5, 9]  # no more layers than asked: all of them
-    assert defaults.spread(list(range(7)), 1) == [3]
 
 
 def _req(**kw: object) -> MeasureRequest:
@@ -38,32 +27,39 @@ def _req(**kw: object) -> MeasureRequest:
                              "imatrix": "m.gguf", "ladder": True, **kw})  # type: ignore[arg-type]
 
 
-def test_every_layer_is_measured_unless_a_sample_is_asked_for() -> None:
-    """No sample held the every-layer default's plans on SmolLM2 (bench/RESULTS.md), so none is a default."""
-    assert defaults.LADDER.sample_layers == defaults.DONORS.sample_layers == 0
-    for req in (_req(), _req(ladder=False), _req(calibrate="units"), _req(only_layers="0-3"), _req(refine=1, max_size=10)):
-        assert defaults.resolved(req).sample_layers == 0
-    assert defaults.resolved(_req(sample_layers=6)).sample_layers == 6
-
-
 @pytest.mark.parametrize(("given", "says"), [
-    ({"sample_layers": 3, "calibrate": "units"}, "goes with --calibrate kinds"),
-    ({"sample_layers": 3, "calibrate": "pooled"}, "goes with --calibrate kinds"),
     ({"calibrate": "pooled", "curve": "line"}, r"--calibrate pooled .* needs --curve versions, not --curve line"),
     ({"calibrate": "pooled", "method": "weights"}, "not of --method weights"),
-    ({"calibrate": "groups", "method": "weights"}, "not of --method weights"),
-    ({"calibrate": "groups", "curve": "line", "shard": "1/2"}, "--calibrate groups .* not with --shard"),
-    ({"calibrate": "groups", "curve": "line", "refine": 1, "max_size": 10}, "not with --calibrate groups"),
-    ({"sample_layers": 3, "calibrate": "groups"}, "goes with --calibrate kinds"),
-    ({"calibrate": "groups", "curve": "two-point"}, "not with --calibrate groups"),
-    ({"sample_layers": 3, "only_layers": "0-3"}, "give one of them"),
-    ({"sample_layers": 3, "refine": 1, "max_size": 10, "curve": "line"}, "not with --sample-layers"),
-    ({"sample_layers": -1}, "a number of layers"),
+    ({"calibrate": "groups"}, r"--calibrate groups: retired \(.*bench/RESULTS.md, \"Retired measurement options\"\)"),
+    ({"curve": "two-point"}, r"--curve two-point: retired \("),
+    ({"calibrate": "sideways"}, "one of units, kinds, pooled"),
+    ({"curve": "bent"}, "one of line, versions"),
 ])
-def test_a_sample_that_cannot_be_is_refused_before_anything_opens(given: dict[str, object], says: str) -> None:
+def test_a_measurement_that_cannot_be_is_refused_before_anything_opens(given: dict[str, object], says: str) -> None:
     req = _req(**given)
     with pytest.raises(MosaicError, match=says):
-        _check_request(defaults.resolved(req), req)
+        check_request(defaults.resolved(req), req)
+
+
+def test_the_retired_options_are_one_line_naming_their_evidence(tmp_path: Path) -> None:
+    """--sample-layers, --refine (and its --max-size), --calibrate groups and --curve two-point are gone from the
+    command line and the API: each is one line, exit 2, before anything is read."""
+    import subprocess
+    import sys
+
+    for flags, option in ((["--sample-layers", "4"], "--sample-layers"), (["--refine", "1"], "--refine"),
+                          (["--max-size", "1G"], "--refine"), (["--calibrate", "groups"], "--calibrate groups"),
+                          (["--curve", "two-point"], "--curve two-point")):
+        r = subprocess.run([sys.executable, "-m", "mosaic.cli", "measure", "--ladder", str(tmp_path / "none"), "--reference",
+                            "t.gguf", "--text", "t.txt", *flags], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.startswith(f"mosaic: error: {option}: retired (") and r.stderr.count("\n") == 1, r.stderr
+        assert "bench/RESULTS.md" in r.stderr
+        assert ("MOSAIC_EXPERIMENTS=1 keeps it for experiments" in r.stderr) == (option == "--refine")
+    with pytest.raises(TypeError):
+        mosaic.measure(ladder=tmp_path / "none", reference="t.gguf", text="t.txt", sample_layers=4)  # type: ignore[call-arg]
+    for kw in ({"calibrate": "groups"}, {"curve": "two-point"}, {"refine": 1}, {"max_size": 10}):
+        with pytest.raises(MosaicError, match="retired"):
+            mosaic.measure(ladder=tmp_path / "none", reference="t.gguf", text="t.txt", **kw)  # type: ignore[arg-type]
 
 
 # A seeded scorer of the form the fit assumes: a kind's unit at version v costs alpha_kind × factor(kind, v) ×
@@ -118,17 +114,16 @@ def _as_standard_errors_promise(z: list[float]) -> None:
 
 
 @pytest.mark.parametrize("layers", [30, 60])
-def test_the_fit_from_a_sample_of_layers_recovers_known_sensitivities_within_its_standard_errors(layers: int) -> None:
+def test_the_fit_of_each_kinds_drops_recovers_known_sensitivities_within_its_standard_errors(layers: int) -> None:
     """Over many seeded scorers, each kind's alpha lands within one of its standard errors about two times in
     three and within three nearly always, as a standard error promises; so does each version's factor, whose
     error adds the alpha's (the factor is a ratio to the line the alpha draws; the document's ``ratio_se`` is
     the pooled pass's alone, and ``credible`` keeps a factor within two of those)."""
-    sample = defaults.spread(list(range(layers)), SAMPLE)
     z_alpha, z_factor = [], []
     for seed in range(120):
-        rows, measured, pooled = _scored(seed, layers, sample, noise=0.1)
+        rows, measured, pooled = _scored(seed, layers, list(range(layers)), noise=0.1)
         alphas = kind_alphas(measured)
-        assert {k: n for k, (_, n) in alphas.items()} == {k: len(sample) for k in KINDS}
+        assert {k: n for k, (_, n) in alphas.items()} == {k: layers for k in KINDS}
         for k, (a, _) in alphas.items():
             z_alpha.append((a.value - KINDS[k]) / a.se)
         for p in version_factors(pooled, measured, rows, "kinds"):
@@ -158,71 +153,10 @@ def test_each_kinds_alpha_from_its_pooled_pass_recovers_known_sensitivities_with
     _as_standard_errors_promise(z)
 
 
-def test_a_kinds_units_are_dealt_into_groups_that_each_span_the_depth() -> None:
-    from mosaic._measure.calibrate import drop_groups
-
-    assert drop_groups(list(range(10)), 4) == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
-    assert drop_groups([7, 2, 5], 4) == [[1], [2], [0]]  # fewer units than groups: one each, in depth order
-    assert drop_groups([None], 4) == [[0]]
-    for layers in (30, 60):
-        groups = drop_groups(list(range(layers)))
-        assert len(groups) == 4 and sorted(i for g in groups for i in g) == list(range(layers))
-        assert all(min(g) < 4 and max(g) >= layers - 4 for g in groups)  # each from the top of the depth to its end
-        assert all(b - a == 4 for g in groups for a, b in itertools.pairwise(g))  # never two neighbours in one pass
-
-
-def _grouped(seed: int, layers: int, noise: float) -> tuple[list[dict], list[dict]]:
-    """The seeded scorer's rows and one pass per group (:func:`drop_groups`): the group's units at the drops'
-    version together cost the sum of their drops, with noise of a pass's standard error."""
-    from mosaic._measure.calibrate import drop_groups
-
-    rows, _, _ = _scored(seed, layers, [], noise)
-    rng = np.random.default_rng([seed, 1])  # a stream of its own: the groups' noise owes nothing to the units' scales
-    eps = {(unit_key(r["layer"], r["group"]), r["donor"]): r["eps"] for r in rows}
-    groups = []
-    for group, alpha in KINDS.items():
-        for g in drop_groups(list(range(layers))):
-            keys = [unit_key(layer, group) for layer in g]
-            true = sum(alpha * (eps[(k, "IQ2_XS")] - eps[(k, "top")]) for k in keys)
-            se = noise * true / math.sqrt(len(keys))
-            groups.append({"kind": group, "units": keys, "to": ["IQ2_XS"] * len(keys), "kl": 1.0 + true, "top1": 0.5,
-                           "nll": 2.0, "dkl": true + float(rng.normal(0.0, se)), "dkl_se": se})
-    return rows, groups
-
-
-@pytest.mark.parametrize("layers", [30, 60])
-def test_each_kinds_alpha_from_its_group_passes_recovers_known_sensitivities_within_its_standard_errors(layers: int) -> None:
-    """``--calibrate groups``: no unit's drop runs; each kind's alpha is its four group passes over their units'
-    weight errors at the drops' version. Over many seeded scorers it lands where a standard error promises, at
-    either depth, from the same four passes per kind."""
-    from mosaic._measure.calibrate import group_alphas
-
-    z = []
-    for seed in range(120):
-        rows, groups = _grouped(seed, layers, noise=0.1)
-        assert len(groups) == 4 * len(KINDS)
-        alphas = group_alphas(groups, rows)
-        assert {k: n for k, (_, n) in alphas.items()} == {k: layers for k in KINDS}
-        z += [(a.value - KINDS[k]) / a.se for k, (a, _) in alphas.items()]
-    _as_standard_errors_promise(z)
-
-
-def test_a_group_that_costs_less_than_its_drops_is_not_recovered() -> None:
-    """The check above can fail: where a group's units together cost 0.7 × their drops (they interact), the
-    groups' alpha lies many standard errors under the kind's."""
-    from mosaic._measure.calibrate import group_alphas
-
-    rows, groups = _grouped(0, 30, noise=0.05)
-    for g in groups:
-        g["dkl"] *= 0.7
-    a, _ = group_alphas(groups, rows)["ffn_down"]
-    assert (KINDS["ffn_down"] - a.value) / a.se > 3
-
-
 def test_a_scorer_the_fit_does_not_assume_is_not_recovered() -> None:
-    """The check above can fail: where the alpha grows with the depth, the sample's pooled alpha is no longer the
+    """The check above can fail: where the alpha grows with the depth, a few layers' pooled alpha is no longer the
     kind's at every layer, and the shallow layers' alpha lies far outside its standard errors."""
-    layers, sample = 30, defaults.spread(list(range(30)), SAMPLE)
+    layers, sample = 30, [3, 11, 18, 26]
     _, measured, _ = _scored(0, layers, sample, noise=0.05)
     for m in measured:  # the drops of deep layers ten times those of layer 0
         grow = 1 + 9 * m["layer"] / (layers - 1)
@@ -242,53 +176,24 @@ def _model(tmp: Path, layers: int) -> dict[str, Path]:
     return {"source": src, "imatrix": imatrix, "rungs": tmp / "rungs", "rows": rows}
 
 
-def test_the_default_and_a_sampled_measurement_make_as_many_forward_passes_at_60_layers_as_at_30(tmp_path: Path) -> None:
+def test_the_default_makes_as_many_forward_passes_at_60_layers_as_at_30(tmp_path: Path) -> None:
+    """Over a ladder with no method flag (``--calibrate pooled``): no layer's unit has a drop of its own, and the
+    passes are fixed by the kinds and the ladder's types, not by the depth."""
     needs_runtime()
-    from rich.console import Console
-
-    from mosaic.cli.render import render_measurement
-
-    docs, pooled, grouped = {}, {}, {}
+    pooled = {}
     for layers in (30, 60):
         m = _model(tmp_path / str(layers), layers)
-        grouped[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
-                                         ctx=16, unit="module-group", calibrate="groups",
-                                         out=tmp_path / f"{layers}-groups.json").document
-        docs[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
-                                      ctx=16, unit="module-group", sample_layers=SAMPLE, out=tmp_path / f"{layers}.json").document
         pooled[layers] = mosaic.measure(ladder=m["rungs"], reference=m["source"], imatrix=m["imatrix"], text=m["rows"],
-                                        ctx=16, unit="module-group", out=tmp_path / f"{layers}-pooled.json").document
-    # the default, --calibrate pooled: no layer's drops at all, the same passes at either depth
+                                        ctx=16, out=tmp_path / f"{layers}-pooled.json").document
     assert pooled[30]["settings"]["calibrate"] == pooled[60]["settings"]["calibrate"] == "pooled"
-    assert docs[30]["settings"]["calibrate"] == "kinds"  # a sample of layers' drops fits each kind's factor
-    assert pooled[30]["forward_passes"] == pooled[60]["forward_passes"] < docs[30]["forward_passes"]
+    assert pooled[30]["settings"]["unit"] == "module-group"  # the unit over a ladder, by default
+    assert pooled[30]["forward_passes"] == pooled[60]["forward_passes"]
     assert all(m["layer"] is None for d in pooled.values() for m in d["measured"])
     assert pooled[30]["timing"]["stages"].get("drop", {}).get("passes", 0) == pooled[60]["timing"]["stages"].get(
         "drop", {}).get("passes", 0)
-    for layers, doc in docs.items():
-        want = defaults.spread(list(range(layers)), SAMPLE)
-        assert doc["settings"]["sampled_layers"] == want
-        assert {m["layer"] for m in doc["measured"]} - {None} == set(want)
-        assert {p["kind"] for p in doc["pooled"]} and all(  # the pooled passes move every layer's units
+    for layers, doc in pooled.items():  # the pooled passes move every layer's units
+        assert {p["kind"] for p in doc["pooled"]} and all(
             len({u.split("/")[0] for u in p["units"]}) == layers for p in doc["pooled"] if p["kind"] not in ("token_embd", "output"))
-        assert len({(r["layer"], r["group"]) for r in doc["results"]}) > len(doc["measured"])  # every unit is priced
-    assert docs[30]["forward_passes"] == docs[60]["forward_passes"]
-    assert docs[30]["timing"]["stages"]["drop"]["passes"] == docs[60]["timing"]["stages"]["drop"]["passes"]
-    # --calibrate groups: four passes per kind of many units, whatever the depth; each unit dropped in exactly one
-    assert grouped[30]["forward_passes"] == grouped[60]["forward_passes"]
-    for layers, doc in grouped.items():
-        assert all(m["layer"] is None for m in doc["measured"])
-        kinds = {g["kind"] for g in doc["groups"]}
-        assert len(doc["groups"]) == 4 * len(kinds) == doc["timing"]["stages"]["group"]["passes"]
-        for k in kinds:
-            units = [u for g in doc["groups"] if g["kind"] == k for u in g["units"]]
-            assert sorted(units) == sorted(unit_key(layer, k) for layer in range(layers))
-        assert set(doc["calibration"]) >= kinds and all(doc["calibration"][k]["units"] == layers for k in kinds)
-        versions = {"base", *doc["donors"]}
-        assert all(len(g["to"]) == len(g["units"]) and set(g["to"]) <= versions for g in doc["groups"])
-        console = Console(record=True, width=400)
-        render_measurement(console, doc, tmp_path / "m.json")
-        assert f"{len(doc['groups'])} passes each dropping a group of a kind's units together" in console.export_text()
 
 
 def test_no_pooled_pass_runs_for_a_version_no_plan_can_take(tmp_path: Path) -> None:
@@ -300,7 +205,7 @@ def test_no_pooled_pass_runs_for_a_version_no_plan_can_take(tmp_path: Path) -> N
     src = write_llama_gguf(tmp_path / "Q4_0.gguf", qtype="Q4_0", seed=11, geometry=WIDE)[0]
     imatrix = write_imatrix(tmp_path / "imatrix.gguf", imatrix_values(imatrix_targets(WIDE), seed=4))
     mosaic.ladder(src, out=tmp_path / "rungs", types="Q2_K,Q4_0,Q8_0", imatrix=imatrix,
-                  llama_quantize=write_tool(tmp_path / "llama-quantize"))
+                  llama_quantize=write_tool(tmp_path / "llama-quantize"), lean=False)  # the Q8_0 rung made all the same
     rows = tmp_path / "rows.txt"
     rows.write_text("the model of a mosaic\nbytes and the bytes of a model\n")
     doc = mosaic.measure(ladder=tmp_path / "rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,
