@@ -43,18 +43,18 @@ lint: $(STAMP)
 # llama.cpp's own tools (not on PyPI), built once from the llama.cpp source inside the llama-cpp-python sdist,
 # CPU-only, outside the project (~/.cache/mosaic/llama.cpp), with the flags of the runtime's own llama.cpp
 # (a generic x86-64, OpenMP): llama-imatrix and llama-quantize make the importance matrix and the quantizations
-# people publish (the measure case), llama-perplexity is what mosaic eval races. `make bench PERPLEXITY=1` also
-# builds a -march=native llama-perplexity, and llama-cpp-python compiled from the same sdist into a folder of its
-# own (not .venv, whose prebuilt wheel `make test` keeps): the eval case then runs on both bindings, and "the same
-# build" is that tree's own llama-perplexity.
+# people publish (mosaic ladder's rungs), llama-perplexity is what mosaic eval races. `make llama-tools` also compiles
+# llama-cpp-python from the same sdist into .venv, beside the prebuilt cyllama: mosaic prefers it where it is
+# installed, and it is what the measurements in bench/RESULTS.md ran on (its decode hands the logits over as one
+# buffer; its libggml-base gives the weight errors ggml's own dequantizers). `make test` compiles nothing and needs
+# neither. `make bench PERPLEXITY=1` also builds a -march=native llama-perplexity.
 LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
 LLAMA_DIR := $(HOME)/.cache/mosaic/llama.cpp
 LLAMA_SRC := $(LLAMA_DIR)/src/.unpacked
 LLAMA_BIN := $(LLAMA_DIR)/build/bin
 LLAMA_TOOLS := $(LLAMA_BIN)/llama-imatrix $(LLAMA_BIN)/llama-quantize $(LLAMA_BIN)/llama-perplexity
 PERPLEXITY_NATIVE_BIN := $(LLAMA_DIR)/build-native/bin/llama-perplexity
-LLAMA_CPP_PYTHON := $(LLAMA_DIR)/llama-cpp-python
-LLAMA_CPP_PYTHON_STAMP := $(LLAMA_CPP_PYTHON)/.installed
+BINDING := $(VENV)/.llama-cpp-python
 LLAMA_FLAGS := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON
 
@@ -69,23 +69,22 @@ $(LLAMA_TOOLS) &: $(LLAMA_SRC)
 		-DGGML_NATIVE=OFF -DGGML_OPENMP=ON >/dev/null
 	cmake --build $(LLAMA_DIR)/build --target llama-imatrix llama-quantize llama-perplexity -j $$(nproc) >/dev/null
 
-# `mosaic ladder`'s tool (and llama-imatrix, llama-perplexity): give it as --llama-quantize, or put the folder on PATH.
-llama-tools: $(LLAMA_TOOLS)
-	@echo "llama.cpp's tools: $(LLAMA_BIN) (mosaic ladder --llama-quantize $(LLAMA_BIN)/llama-quantize)"
+# The binding's pure-Python needs go with it, numpy excepted (the project's own stays the one imported). Its build
+# folder is kept, so that a second install compiles nothing; its llama-perplexity is the binding's own build.
+$(BINDING): $(RUNTIME) $(LLAMA_SRC)
+	CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_OPENMP=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=ON' \
+		$(BIN)/python -m pip install --quiet --no-deps -C build-dir=$(LLAMA_DIR)/build-python \
+		$(LLAMA_DIR)/src/*.tar.gz 'diskcache>=5.6.1' 'jinja2>=2.11.3' 'MarkupSafe>=2.0'
+	touch $@
+
+# `mosaic ladder` finds llama-quantize here by itself (or give --llama-quantize, or put the folder on PATH).
+llama-tools: $(LLAMA_TOOLS) $(BINDING)
+	@echo "llama.cpp's tools: $(LLAMA_BIN); llama-cpp-python compiled into $(VENV) (mosaic's runtime from now on)"
 
 $(PERPLEXITY_NATIVE_BIN): $(LLAMA_SRC)
 	cmake -S $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_DIR)/build-native $(LLAMA_FLAGS) \
 		-DGGML_NATIVE=ON -DGGML_OPENMP=ON >/dev/null
 	cmake --build $(LLAMA_DIR)/build-native --target llama-perplexity -j $$(nproc) >/dev/null
-
-# The binding's pure-Python needs go beside it, numpy excepted (the project's own stays the one imported).
-$(LLAMA_CPP_PYTHON_STAMP): $(LLAMA_SRC)
-	rm -rf $(LLAMA_CPP_PYTHON)
-	$(BIN)/python -m pip install --quiet --no-deps --target $(LLAMA_CPP_PYTHON) 'diskcache>=5.6.1' 'jinja2>=2.11.3' 'MarkupSafe>=2.0'
-	CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_OPENMP=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=ON' \
-		$(BIN)/python -m pip install --quiet --no-deps --target $(LLAMA_CPP_PYTHON) -C build-dir=$(LLAMA_DIR)/build-python \
-		$(LLAMA_DIR)/src/*.tar.gz
-	touch $@
 
 # SmolLM2-135M's importance matrix, both formats, as committed under tests/data (tests/data/README.md): made from
 # the tests' teacher on tests/data/calibration.txt, named by its relative path from here.
@@ -107,10 +106,10 @@ imatrix-qwen: $(STAMP) $(LLAMA_TOOLS)
 # make bench [PERPLEXITY=1] [BENCH="--cases measure --measure-model qwen2.5-coder-1.5b"]: every case, or those BENCH
 # names (bench/run.py --help). The measure case on a model of its own also needs llama.cpp's --target-size mixer
 # (MOSAIC_BENCH_TARGET_SIZE, MOSAIC_BENCH_TARGET_SIZE_ALL: ../shared/tools/target-size.sh builds it).
-bench: $(STAMP) $(RUNTIME) $(LLAMA_TOOLS) $(if $(PERPLEXITY),$(PERPLEXITY_NATIVE_BIN) $(LLAMA_CPP_PYTHON_STAMP))
+bench: $(STAMP) $(RUNTIME) llama-tools $(if $(PERPLEXITY),$(PERPLEXITY_NATIVE_BIN))
 	MOSAIC_BENCH_LLAMA_BIN=$(LLAMA_BIN) MOSAIC_BENCH_PERPLEXITY=$(LLAMA_BIN)/llama-perplexity \
-	$(if $(PERPLEXITY),MOSAIC_BENCH_PERPLEXITY_NATIVE=$(PERPLEXITY_NATIVE_BIN) MOSAIC_BENCH_LLAMA_CPP_PYTHON=$(LLAMA_CPP_PYTHON) \
-		MOSAIC_BENCH_PERPLEXITY_PYTHON=$(LLAMA_DIR)/build-python/bin/llama-perplexity) \
+		MOSAIC_BENCH_PERPLEXITY_PYTHON=$(LLAMA_DIR)/build-python/bin/llama-perplexity \
+		$(if $(PERPLEXITY),MOSAIC_BENCH_PERPLEXITY_NATIVE=$(PERPLEXITY_NATIVE_BIN)) \
 		$(BIN)/python bench/run.py $(BENCH)
 
 fuzz: $(STAMP)

@@ -2,6 +2,7 @@
 
     python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,plan-ladder,eval,scale,measure] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--eval-ctx 512] [--no-write]
     python bench/run.py --cases measure --measure-model qwen2.5-coder-1.5b [--measure-methods default,variants]
+    python bench/run.py --cases readme     # the README's loop as printed, on Qwen2.5-Coder-1.5B, against target-size
 
 This file is the command line only. Each case is a module of ``bench/cases/`` named for it (``gguf-stream``:
 ``gguf_stream.py``), over ``bench/harness.py``: the data, the timing, the peak memory and the results table
@@ -39,6 +40,7 @@ from cases.memory import case_memory
 from cases.metadata import case_metadata
 from cases.panel import case_panel
 from cases.plan_ladder import case_plan_ladder
+from cases.readme import case_readme
 from cases.scale import case_scale
 from cases.stream import case_stream
 from harness import DATA, ROOT, ROWS, machine, write_results
@@ -65,9 +67,9 @@ def main() -> int:
     ap.add_argument("--measure-calibration", type=int, default=0,
                     help="paragraphs of tests/data/calibration.txt (the importance matrix's text) the measure case measures on "
                          "as well; the held-out rows stay the paragraphs after --measure-rows")
-    ap.add_argument("--measure-methods", default="default,two-point,refine,kinds,weights",
+    ap.add_argument("--measure-methods", default="default,kinds,weights",
                     help="words picking the measure case's methods (bench/cases/measure.py: METHODS): a method runs when "
-                         "its label holds one (--refine measures again at each rival's size: about 425 forward passes each)")
+                         "its label holds one")
     ap.add_argument("--measure-model", default=None, choices=sorted(MODELS),
                     help="the measure case from the model's source on one procedure (bench/cases/ladder.py): the ladder, "
                          "the rivals and target-size at the stock types' bytes; --measure-methods words 'default' (mosaic's "
@@ -106,6 +108,8 @@ def main() -> int:
         case_eval(args.runs, args.eval_ctx)
     if "scale" in cases:
         case_scale(args.runs, args.eval_ctx)
+    if "readme" in cases:
+        case_readme(args.measure_ctx, args.measure_rows)
     if "measure" in cases and args.measure_model:
         words = args.measure_methods.split(",")
         if {"default", "variants", "goal"} & set(words):

@@ -47,16 +47,12 @@ _PANEL_HERE = ("import sys; import mosaic._eval.run as r; r._remote = lambda b: 
 
 def bindings() -> dict[str, dict[str, str]]:
     """The llama.cpp bindings to race, each with the environment that picks it: cyllama (the prebuilt wheel of
-    the ``runtime`` extra) and llama-cpp-python where it is installed or built by ``make bench PERPLEXITY=1``
-    (``MOSAIC_BENCH_LLAMA_CPP_PYTHON``: the folder it was installed into)."""
+    the ``runtime`` extra) and llama-cpp-python where it is installed (``make llama-tools`` compiles it into
+    ``.venv``)."""
     from mosaic._eval.runtime import available
 
     out = {"cyllama": {**COLD, "MOSAIC_RUNTIME": "cyllama"}}
-    folder = os.environ.get("MOSAIC_BENCH_LLAMA_CPP_PYTHON")
-    if folder:
-        out["llama-cpp-python"] = {**COLD, "MOSAIC_RUNTIME": "llama-cpp-python",
-                                   "PYTHONPATH": os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)}
-    elif "llama-cpp-python" in available():
+    if "llama-cpp-python" in available():
         out["llama-cpp-python"] = {**COLD, "MOSAIC_RUNTIME": "llama-cpp-python"}
     return out
 

@@ -13,10 +13,12 @@ The rivals, at sizes below the teacher's own: llama.cpp's stock types made with 
 from its author's fork by ``../shared/tools/target-size.sh``; ``MOSAIC_BENCH_TARGET_SIZE`` names the build
 without Q4_1, for SmolLM2's Q4_1 teacher, ``MOSAIC_BENCH_TARGET_SIZE_ALL`` the one with every type). mosaic's
 plans are held to the same bytes: ``mosaic ladder`` of the teacher, ``mosaic measure --ladder``, ``mosaic plan
---max-size``, ``mosaic build``. The ladder is made with ``--min-bpw 2.5`` (:data:`MIN_BPW`): no plan of those sizes
-takes the four types under it, and the plans were the same without them on both models; and where ``--lean`` applies,
-with ``--no-superseded``: no plan of those sizes took Q4_0, Q4_1, IQ4_NL, Q5_0 or Q5_1 for a tensor whose rows a
-256-wide type divides.
+--max-size``, ``mosaic build``. The ladder is ``mosaic ladder``'s defaults, which follow the source: no type under
+2.5 bits a weight (:data:`MIN_BPW`: no plan of those sizes takes the four types under it, and the plans were the same
+without them on both models); over Qwen's Q4_K_M, whose types the ladder holds, ``--lean --no-superseded`` (no plan of
+those sizes took Q4_0, Q4_1, IQ4_NL, Q5_0 or Q5_1 for a tensor whose rows a 256-wide type divides); SmolLM2's types
+leave out its teacher's Q4_1 (target-size's are made without it too), and then neither. The case checks that the
+defaults gave that.
 
 What runs (``what``):
 - ``default``: the measurement ``mosaic measure --ladder DIR --imatrix M`` makes with no method flag, its plans at
@@ -128,12 +130,9 @@ def variant_label(v: tuple[bool, str, str]) -> str:
 
 
 def _env() -> dict[str, str]:
-    """Every command on one binding: the compiled llama-cpp-python where ``make bench PERPLEXITY=1`` built it."""
-    folder = os.environ.get("MOSAIC_BENCH_LLAMA_CPP_PYTHON")
-    if not folder:
-        return dict(WARM)
-    return {**WARM, "MOSAIC_RUNTIME": "llama-cpp-python",
-            "PYTHONPATH": os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)}
+    """Every command on the binding ``.venv`` holds: the compiled llama-cpp-python ``make llama-tools`` installs there
+    (mosaic's own choice where it is installed, as on a user's machine that ran it), with the bench's caches."""
+    return dict(WARM)
 
 
 def _tool(name: str) -> Path | None:
@@ -422,10 +421,14 @@ def _plans(model: Model, teacher: Path, budgets: dict[str, int], ladder_dir: Pat
            env: dict[str, str], costs: dict[str, float], got: dict[str, dict], what: set[str], resume: bool = False
            ) -> dict[str, dict]:
     """The ladder, the measurement(s), every plan at every budget, built and scored two at a time."""
+    # the ladder's own defaults (mosaic._measure.rungs.options): over Qwen's Q4_K_M, whose types every ladder holds,
+    # --lean --no-superseded and the floor of 2.5 bits a weight; SmolLM2's types leave out its Q4_1, and then neither
+    types = [] if model.types == ALL_TYPES else ["--types", ladder_types(model.types)]
     _timed(costs, "mosaic ladder", [*MOSAIC, "ladder", str(teacher), "--out", str(ladder_dir), "--imatrix", str(model.imatrix),
-                                    "--types", ladder_types(model.types), "--min-bpw", str(MIN_BPW),
-                                    "--llama-quantize", str(_tool("llama-quantize")),
-                                    *(["--lean", "--no-superseded"] if model.lean else [])], env=env)
+                                    *types, "--llama-quantize", str(_tool("llama-quantize"))], env=env)
+    options = json.loads((ladder_dir / "ladder.json").read_text())["options"]
+    if options["lean"] != model.lean or options["no_superseded"] != model.lean or options["min_bpw"] not in (MIN_BPW, None):
+        raise SystemExit(f"the ladder's defaults gave {options} for {model.name}, not what the bench measured")
     for r in json.loads((ladder_dir / "ladder.json").read_text())["rungs"]:
         if "seconds" in r:  # a rung kept from an earlier run keeps its own time
             costs[f"rung {r['type']}"] = r["seconds"]
@@ -475,7 +478,8 @@ def _plan(label: str, run: str, path: Path, doc: dict, at: dict[str, int], ladde
         r = _timed(costs, "plans", [*MOSAIC, "plan", "--ladder", str(ladder_dir), "--scores", str(path), "--max-size", str(n),
                                     "--out", str(recipe), "--json"], env=env)
         plans[name] = {"measurement": label, "run": run, "at": t, "chosen": json.loads(r.stdout)["chosen"],
-                       "forward_passes": doc["forward_passes"], "timing": doc.get("timing")}
+                       "forward_passes": doc["forward_passes"], "timing": doc.get("timing"),
+                       "runtime": doc.get("runtime"), "dequantizer": doc.get("dequantizer")}
         recipes[name] = recipe
 
 
@@ -604,6 +608,13 @@ def _cost_rows(case: str, plans: dict[str, dict], costs: dict[str, float]) -> No
             ", ".join(f"{t} {v:.0f} s ({v / total:.0%})" for t, v in rungs))
     default = [p for p in plans.values() if p["run"] == "the default"]
     stages = ((default[0]["timing"] or {}).get("stages") or {}) if default else {}
+    if default and (default[0].get("runtime") or default[0].get("dequantizer")):
+        rt, dq = default[0].get("runtime") or {}, default[0].get("dequantizer") or {}
+        by: dict[str, list[str]] = {}
+        for t, how in (dq.get("types") or {}).items():
+            by.setdefault(how, []).append(t)
+        row(case, "the default measurement ran on", f"{rt.get('name')} {rt.get('version')}",
+            "weights decoded by " + ("; ".join(f"{how}: {', '.join(ts)}" for how, ts in sorted(by.items())) or "mosaic's cache"))
     if stages:
         row(case, "cost: the default measurement, per stage", f"{sum(s['passes'] for s in stages.values())} passes",
             ", ".join(f"{k} {s['passes']} passes {s['seconds']:.0f} s" for k, s in stages.items() if s["passes"]))
@@ -626,17 +637,17 @@ def _cost_rows(case: str, plans: dict[str, dict], costs: dict[str, float]) -> No
             f"{'met' if plan + build <= warm else 'missed'}")
 
 
-def depth_passes(layers: tuple[int, ...] = (30, 60), sample: int = 4) -> dict[tuple[int, int | str], int]:
-    """Forward passes of a measurement over a ladder of a synthetic model of SmolLM2's kinds at each depth of
-    ``layers``: the default (no method flag: ``--calibrate pooled``), ``--sample-layers sample`` and
-    ``--calibrate groups``. The count, not the time (llama.cpp's own quantizer behind the suite's stand-in tool)."""
+def depth_passes(layers: tuple[int, ...] = (30, 60)) -> dict[int, int]:
+    """Forward passes of the default measurement (no method flag) over a ladder of a synthetic model of SmolLM2's
+    kinds at each depth of ``layers``: the count, not the time (llama.cpp's own quantizer behind the suite's
+    stand-in tool)."""
     import tempfile
 
     import mosaic
     from mosaic.testing.gguf import Geometry, imatrix_targets, imatrix_values, write_imatrix, write_llama_gguf
     from mosaic.testing.quantize_tool import write_tool
 
-    out: dict[tuple[int, int | str], int] = {}
+    out: dict[int, int] = {}
     with tempfile.TemporaryDirectory(dir=DATA) as tmp:
         d = Path(tmp)
         rows = d / "rows.txt"
@@ -646,18 +657,16 @@ def depth_passes(layers: tuple[int, ...] = (30, 60), sample: int = 4) -> dict[tu
             src = write_llama_gguf(d / f"{n}-F16.gguf", qtype="F16", seed=11, geometry=geo)[0]
             imatrix = write_imatrix(d / f"{n}-imatrix.gguf", imatrix_values(imatrix_targets(geo), seed=4))
             mosaic.ladder(src, out=d / f"{n}-rungs", types="Q4_0,Q8_0", imatrix=imatrix, llama_quantize=write_tool(d / "q"))
-            for key, flags in (("default", {}), (sample, {"sample_layers": sample}), ("groups", {"calibrate": "groups"})):
-                doc = mosaic.measure(ladder=d / f"{n}-rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,
-                                     unit="module-group", out=d / f"{n}-{key}.json", **flags).document  # type: ignore[arg-type]
-                out[(n, key)] = int(doc["forward_passes"])
+            doc = mosaic.measure(ladder=d / f"{n}-rungs", reference=src, imatrix=imatrix, text=rows, ctx=16,
+                                 out=d / f"{n}.json").document
+            out[n] = int(doc["forward_passes"])
     return out
 
 
 def _depth_rows(case: str) -> None:
     got = depth_passes()
-    for k, what in (("default", "the default (--calibrate pooled)"), (4, "--sample-layers 4"), ("groups", "--calibrate groups")):
-        row(case, f"forward passes at 30 and 60 layers: {what}", f"{got[(30, k)]} / {got[(60, k)]}",
-            "the same" if got[(30, k)] == got[(60, k)] else f"grows {got[(60, k)] / got[(30, k)]:.2f} × with twice the layers")
+    row(case, "forward passes at 30 and 60 layers: the default", f"{got[30]} / {got[60]}",
+        "the same" if got[30] == got[60] else f"grows {got[60] / got[30]:.2f} × with twice the layers")
 
 
 def _bootstrap(model: dict, labels: list[str], sizes: tuple[str, ...], n: int = 2000) -> np.ndarray:

@@ -39,22 +39,17 @@ GOAL = {"Q3_K_M": 0.80, "IQ4_XS": 0.80, "Q4_K_M": 0.60}
 PLAIN = ("Q3_K_M", "Q4_K_M")
 CALIBRATION = "tests/data/calibration.txt"
 
-#: label -> (the method's flags, whether it refines at each rival's budget, whether it is weighted)
+#: label -> (the method's flags, whether it refines at each rival's budget, whether it is weighted). The retired
+#: methods (``--curve two-point``, ``--refine``) left with their options; their rows stay in bench/RESULTS.md.
 METHODS: dict[str, tuple[list[str], bool, bool]] = {
     "default: top-down, --imatrix": (["--method", "top-down"], False, True),
     "default, each candidate loaded only after the one before (MOSAIC_PRELOAD=0): top-down, --imatrix":
         (["--method", "top-down"], False, True),
-    "top-down --curve two-point, --imatrix": (["--method", "top-down", "--curve", "two-point"], False, True),
-    "top-down --refine 1 at the budget, --imatrix": (["--method", "top-down", "--refine", "1"], True, True),
     "top-down, kinds from layers 0, 15, 29, --imatrix": (["--method", "top-down", "--calibrate", "kinds", "--only-layers", "0,15,29"], False, True),
     "weights, --imatrix": (["--method", "weights"], False, True),
     "default without --imatrix": (["--method", "top-down"], False, False),
     "default with the matrix under its ceiling: top-down, --imatrix --imatrix-cap": (["--method", "top-down", "--imatrix-cap"], False, True),
     "ladder: default over mosaic ladder's rungs, --imatrix": (["--method", "top-down"], False, True),
-    "ladder-two-point: top-down --curve two-point over mosaic ladder's rungs, --imatrix":
-        (["--method", "top-down", "--curve", "two-point"], False, True),
-    "ladder-refine: top-down --refine 1 at the budget over mosaic ladder's rungs, --imatrix":
-        (["--method", "top-down", "--refine", "1"], True, True),
     "ladder-weights: weights over mosaic ladder's rungs, --imatrix": (["--method", "weights"], False, True),
     "ladder-cap: default over mosaic ladder's rungs, --imatrix --imatrix-cap": (["--method", "top-down", "--imatrix-cap"], False, True),
     "ladder-cap-kinds: top-down --calibrate kinds (every layer) over mosaic ladder's rungs, --imatrix --imatrix-cap":
@@ -79,13 +74,9 @@ TARGET_SIZE_SCRIPT = ROOT.parent / "shared" / "tools" / "target-size.sh"
 
 
 def _env() -> dict[str, str]:
-    """Every command of the case on one binding: the compiled llama-cpp-python where ``make bench PERPLEXITY=1``
-    built it (``MOSAIC_BENCH_LLAMA_CPP_PYTHON``), else the default one; the bench's digest and weight caches."""
-    folder = os.environ.get("MOSAIC_BENCH_LLAMA_CPP_PYTHON")
-    if not folder:
-        return dict(WARM)
-    return {**WARM, "MOSAIC_RUNTIME": "llama-cpp-python",
-            "PYTHONPATH": os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)}
+    """Every command on the binding ``.venv`` holds: the compiled llama-cpp-python ``make llama-tools`` installs there
+    (mosaic's own choice where it is installed, as on a user's machine that ran it), with the bench's caches."""
+    return dict(WARM)
 
 
 def _tool(name: str) -> Path | None:
