@@ -562,3 +562,48 @@ def test_the_defaults_follow_the_source(tmp_path: Path) -> None:
     notes.clear()
     assert options(LadderRequest(str(src), tmp_path, min_bpw=0), ["Q4_K"], own, notes).min_bpw is None and not notes
     assert options(LadderRequest(str(src), tmp_path, types="Q4_K"), ["Q4_K"], own, notes).min_bpw is None and not notes
+
+
+def test_a_plan_the_stock_tool_replays_tensor_by_tensor_and_pins_it_honours(made: dict[str, Path], tmp_path: Path) -> None:
+    """--tensor-type-file: the source through the tool with the plan's file is mosaic's build, every tensor's type
+    and bytes; --pin holds its tensors, or the plan is refused in one line."""
+    import subprocess
+
+    mosaic.measure(ladder=made["rungs"], reference=made["src"], method="weights", unit="module-group", out=tmp_path / "m.json")
+    size = made["rungs"].joinpath("wide-F16-Q5_0.gguf").stat().st_size
+    tt = tmp_path / "types.txt"
+    p = mosaic.plan(ladder=made["rungs"], scores=tmp_path / "m.json", max_size=size, out=tmp_path / "plan.yaml",
+                    tensor_type_file=tt)
+    assert len({c["donor"] for c in p.chosen}) > 1  # a mix, not one rung
+    built = next(mosaic.build(p.out, out=tmp_path / "built").out.glob("*.gguf"))
+    replay = tmp_path / "replay.gguf"
+    subprocess.run([str(made["tool"]), "--allow-requantize", "--tensor-type-file", str(tt), str(made["src"]), str(replay),
+                    "Q8_0"], check=True, capture_output=True)
+    mine, theirs = _tensors(built), _tensors(replay)
+    assert list(mine) == list(theirs)
+    for name, t in mine.items():
+        assert t.tensor_type == theirs[name].tensor_type, name
+        assert np.asarray(t.data).tobytes() == np.asarray(theirs[name].data).tobytes(), name
+    named = [t for t in mine.values() if len(t.shape) >= 2]
+    assert p.report["tensor_type_file"]["entries"] == len(named) == len(tt.read_text().splitlines())
+
+    # pins: every ffn_down at Q8_0, the rest chosen around them
+    held = mosaic.plan(ladder=made["rungs"], scores=tmp_path / "m.json", max_size=size, pins=["FFN_DOWN=q8_0"],
+                       out=tmp_path / "pinned.yaml")
+    got = _tensors(next(mosaic.build(held.out, out=tmp_path / "pinned").out.glob("*.gguf")))
+    downs = [n for n in got if "ffn_down" in n]
+    assert downs and all(got[n].tensor_type.name == "Q8_0" for n in downs)
+    assert held.report["predicted_size"] <= size
+
+    def refused(*pins: str, max_size: int = size) -> str:
+        r = CliRunner().invoke(main, ["plan", "--ladder", str(made["rungs"]), "--scores", str(tmp_path / "m.json"),
+                                      "--max-size", str(max_size), *(a for pin in pins for a in ("--pin", pin))])
+        assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+        return r.output
+
+    assert "no version of blk.0.attn_k.weight is Q2_K" in refused("attn_k=q2_k") and "mosaic ladder --types ...,Q2_K" in refused("attn_k=q2_k")
+    assert "matches no tensor the plan chooses a type for" in refused("attn_norm=q8_0")
+    assert "not a ggml type" in refused("attn_k=q9_k") and "expected PATTERN=TYPE" in refused("attn_k")
+    small = made["rungs"].joinpath("wide-F16-Q4_0.gguf").stat().st_size
+    msg = refused("blk=q8_0", max_size=small)
+    assert "no plan is that small" in msg and "with the pins held (blk=q8_0 on" in msg

@@ -226,6 +226,8 @@ def plan(
     unit: str | None = None,
     out: PathLike | None = None,
     ladder: PathLike | None = None,
+    pins: Sequence[str] = (),
+    tensor_type_file: PathLike | None = None,
 ) -> PlanResult:
     """Choose exactly (not greedily) which units to take from which donor under a budget; write the recipe.
 
@@ -234,6 +236,12 @@ def plan(
     per weight) or ``layers`` (a count). ``unit``: ``layer-experts`` (the default), ``layer`` or
     ``module-group``; a measurement's own unit unless given. With ``out``, the recipe is written there
     (sources relative to its folder); it has been checked by the build's own layout either way.
+
+    GGUF plans over a measurement also take ``pins`` (``"PATTERN=TYPE"``, read as ``llama-quantize --tensor-type``
+    reads them: the pattern lower-cased and searched in each tensor's name, the first match deciding): every
+    matching tensor is held at that type, within the budget, or the plan is refused. ``tensor_type_file``: the plan
+    also written as ``llama-quantize --tensor-type-file`` reads it, every tensor the tool quantizes named alone at
+    its planned type, so that the stock tool makes the same file from the ladder's source.
 
     >>> import json
     >>> from mosaic.testing.exl3 import write_example
@@ -260,6 +268,7 @@ def plan(
         base=base_src, donors=donor_list, scores=Path(scores), max_size=size,
         target_rate=None if target_rate is None else str(target_rate), layers=layers,
         unit=unit or "layer-experts", out=None if out is None else Path(out), unit_explicit=unit is not None,
+        pins=tuple(pins), tensor_type_file=None if tensor_type_file is None else Path(tensor_type_file),
     )
     with _metadata_stage():
         if is_gguf_src(req.base):
@@ -276,6 +285,8 @@ def plan(
                 raise TooSmall(f"{e}; the ladder has no type under {low:g} bits a weight (its floor): "
                                f"mosaic ladder --min-bpw 0 makes them") from None
         else:
+            if req.pins or req.tensor_type_file is not None:
+                raise MosaicError("--pin and --tensor-type-file: GGUF plans only (llama-quantize's types)")
             res = plan_mosaic(req)
             report, text, notes = res.report, res.recipe_text, res.notes
     return PlanResult(report, text, req.out, tuple(notes))

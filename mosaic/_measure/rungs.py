@@ -50,6 +50,7 @@ from mosaic._formats.gguf_container import type_name
 from mosaic._formats.imatrix import read_imatrix
 from mosaic._formats.quantizable import quantizable
 from mosaic._sources.rung_set import (
+    DEFAULT_MIN_BPW,
     FTYPE_OF,
     LADDER_FILE,
     NEEDS_IMATRIX,
@@ -84,12 +85,6 @@ class LadderRequest:
     #: with lean: a 32-wide type made only for tensors the 256-wide type superseding it cannot take (None: as lean)
     no_superseded: bool | None = None
     notes: list[str] = field(default_factory=list)
-
-
-#: The floor of the default types (``--min-bpw``): IQ1_S, IQ1_M, IQ2_XXS and IQ2_XS are not made. No plan of 2.5 bits
-#: a weight or more took one on either bench model, and without them the plans were the same files (bench/RESULTS.md,
-#: "A ladder without the four types under 2.5 bits").
-DEFAULT_MIN_BPW = 2.5
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import yaml
 from mosaic._base.errors import MosaicError, VerificationError
 from mosaic._build.gguf_plan import GGUFPlan, check_same_model, mosaic_keys, plan_gguf
 from mosaic._checkpoint.gguf_model import GGUFModel, parse_name
-from mosaic._formats.gguf_container import align, layout
+from mosaic._formats.gguf_container import align, layout, type_name
 from mosaic._plan.measurement import measurement_in
 from mosaic._plan.planner import recipe_lock, write_recipe
 from mosaic._plan.scores import ScoresError, read_scores_file
@@ -278,6 +278,7 @@ def _plan_gguf_mosaic(r: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     doc = measurement_in(r.scores)  # type: ignore[attr-defined]
     choice, notes = (_measured_choice(r, doc, base, base_spec, hub) if doc is not None
                      else _per_layer_choice(r, base, base_spec, hub))
+    held = _pinned(r, choice, base, doc is not None)
     name = _name(base_spec, base)
     # the header does not depend on the choice: lay it out once with the keys the build writes
     probe = Recipe(name, base_spec, {}, (), None, (), recipe_dir / "x.yaml", b"")
@@ -302,11 +303,11 @@ def _plan_gguf_mosaic(r: object) -> tuple[dict, str, GGUFPlan, list[str]]:
         except (InvalidOperation, ValueError):
             raise MosaicError(f"--target-rate: {r.target_rate!r} is not a number") from None  # type: ignore[attr-defined]
         room = int((target * weights - 8 * sum(t.nbytes for t in base.tensors)) // 1)
-        best, greedy_sol = _both_ways(options, room, f"--target-rate {r.target_rate}", lambda c: (  # type: ignore[attr-defined]
+        best, greedy_sol = _both_ways(options, room, f"--target-rate {r.target_rate}{held}", lambda c: (  # type: ignore[attr-defined]
             f"{float(Fraction(8 * sum(t.nbytes for t in base.tensors) + c, weights)):.4f} bits per weight"))
     else:
         limit = r.max_size  # type: ignore[attr-defined]
-        best, greedy_sol = _both_ways(options, limit - base_size, f"--max-size {limit:,} bytes",
+        best, greedy_sol = _both_ways(options, limit - base_size, f"--max-size {limit:,} bytes{held}",
                                       lambda c: f"{base_size + c:,} bytes")
     if not best.picks:
         ups = [o for row in options for o in row if o.donor != BASE and o.score > 0]
@@ -361,6 +362,37 @@ def _plan_gguf_mosaic(r: object) -> tuple[dict, str, GGUFPlan, list[str]]:
     if doc is not None:
         report["predicted_dkl"] = round(sum(choice.predicted[(o.unit, o.donor)] for o in best.picks), 9)
         report["unit"] = choice.kind
+    if r.tensor_type_file is not None:  # type: ignore[attr-defined]
+        from mosaic._plan.replay import write_tensor_types
+
+        report["tensor_type_file"] = {"path": str(r.tensor_type_file), "entries": write_tensor_types(  # type: ignore[attr-defined]
+            r.tensor_type_file, [(t.name, t.ne, t.type_id) for t in plan.tensors])}  # type: ignore[attr-defined]
     if r.out is not None:  # type: ignore[attr-defined]
         write_recipe(r.out, text)  # type: ignore[attr-defined]
     return report, text, plan, notes
+
+
+def _pinned(r: object, choice: _Choice, base: GGUFModel, measured: bool) -> str:
+    """``--pin``: each unit's versions narrowed to those holding its pinned tensors at their types (in place);
+    the words a budget no plan meets then adds."""
+    if not r.pins:  # type: ignore[attr-defined]
+        return ""
+    from mosaic._plan.pins import held_options, parse_pins
+
+    if not measured or r.layers is not None:  # type: ignore[attr-defined]
+        raise MosaicError("--pin: a GGUF plan over a measurement, with --max-size or --target-rate")
+    pins = parse_pins(r.pins)  # type: ignore[attr-defined]
+    tables = {did: m.by_name() for did, _, m in choice.donors} | {BASE: base.by_name()}
+    shape = base.by_name()
+
+    def missing(type_: str, tensor: str) -> str:
+        from mosaic._sources.rung_set import DEFAULT_MIN_BPW, bits_per_weight
+
+        if bits_per_weight(type_) < DEFAULT_MIN_BPW:
+            return f"a ladder holds it only when made with --min-bpw 0 (mosaic ladder --min-bpw 0 --types ...,{type_})"
+        return f"a ladder of the types {type_} is among holds it (mosaic ladder --types ...,{type_})"
+
+    choice.options[:], counts = held_options(pins, choice.units, choice.options,
+                                             lambda did, n: type_name(tables[did][n].type_id),
+                                             lambda n: shape[n].ne, missing)
+    return " with the pins held (" + ", ".join(f"{p} on {k} tensor{'s' if k != 1 else ''}" for p, k in counts.items()) + ")"

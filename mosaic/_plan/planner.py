@@ -123,6 +123,8 @@ class PlanRequest:
     unit: str = "layer-experts"
     out: Path | None = None
     unit_explicit: bool = False  # --unit given (a measurement's own unit is used otherwise)
+    pins: tuple[str, ...] = ()  # --pin PATTERN=TYPE: tensors held at a type (GGUF plans over a measurement)
+    tensor_type_file: Path | None = None  # --tensor-type-file: the plan as llama-quantize --tensor-type-file reads it
 
 
 @dataclass

@@ -44,6 +44,10 @@ NEEDS_IMATRIX: dict[str, str] = {
     "IQ1_S": "Q2_K", "IQ1_M": "Q2_K", "IQ2_XXS": "Q2_K", "IQ2_XS": "Q2_K", "IQ2_S": "Q2_K", "IQ3_XXS": "IQ3_S",
 }
 TYPES = tuple(FTYPE_OF)
+#: The floor of the default types (``mosaic ladder --min-bpw``): IQ1_S, IQ1_M, IQ2_XXS and IQ2_XS are not made. No
+#: plan of 2.5 bits a weight or more took one on either bench model, and without them the plans were the same files
+#: (bench/RESULTS.md, "A ladder without the four types under 2.5 bits").
+DEFAULT_MIN_BPW = 2.5
 
 
 def bits_per_weight(type_name: str) -> float:

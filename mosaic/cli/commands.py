@@ -134,16 +134,24 @@ def build(recipe: Path, out: Path | None, force: bool, jobs: int | None, link: b
               help="What moves together: a layer's routed experts (the default), a whole layer, or each module group of a "
                    "layer; a measurement's own unit unless given.")
 @click.option("--out", "out", type=click.Path(path_type=Path), help="Write the recipe here (sources relative to its folder).")
+@click.option("--pin", "pins", multiple=True, metavar="PATTERN=TYPE",
+              help="GGUF: hold the tensors PATTERN matches at TYPE (read as llama-quantize reads --tensor-type; repeatable, "
+                   "the first match deciding); the plan honours every pin within the budget or is refused.")
+@click.option("--tensor-type-file", "tensor_type_file", type=click.Path(path_type=Path), metavar="FILE",
+              help="GGUF: also write the plan as llama-quantize --tensor-type-file reads it (every tensor it quantizes, "
+                   "named alone), so that the stock tool makes the file from the ladder's source.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
 def plan(base: str | None, donors: tuple[str, ...], ladder: Path | None, scores: Path, max_size: str | None,
-         target_rate: str | None, layers: int | None, unit: str, out: Path | None, as_json: bool) -> None:
+         target_rate: str | None, layers: int | None, unit: str, out: Path | None, pins: tuple[str, ...],
+         tensor_type_file: Path | None, as_json: bool) -> None:
     """Choose each unit's version under a budget, exactly (not greedily), and write the recipe; for GGUF a unit
     may also go down to a donor of fewer bytes than the base's."""
     from mosaic.cli.render import render_plan
 
     res = api.plan(base=base, donors=list(donors), scores=scores, max_size=max_size,
-                   target_rate=target_rate, layers=layers, unit=unit, out=out, ladder=ladder)
+                   target_rate=target_rate, layers=layers, unit=unit, out=out, ladder=ladder, pins=pins,
+                   tensor_type_file=tensor_type_file)
     if as_json:
         _emit_json(res.as_dict())
     else:

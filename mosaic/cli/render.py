@@ -280,6 +280,11 @@ def render_plan(console: Console, rep: dict, notes: list[str], out: str | None) 
         console.print(f"[yellow]note:[/yellow] {lit(n)}")
     if out:
         console.print(f"recipe written to {lit(out)}; build it with: mosaic build {lit(out)}")
+    tt = rep.get("tensor_type_file")
+    if tt:
+        console.print(f"tensor types written to {lit(tt['path'])} ({tt['entries']} entries); the stock tool makes the file "
+                      f"with: llama-quantize --allow-requantize --imatrix MATRIX --tensor-type-file {lit(tt['path'])} "
+                      "SOURCE OUT.gguf TYPE")
 
 
 def render_export(console: Console, summary: dict) -> None:
