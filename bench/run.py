@@ -3,6 +3,7 @@
     python bench/run.py [--cases census,bytes,metadata,export,memory,stream,gguf,gguf-stream,panel,plan-ladder,eval,scale,measure] [--runs 3] [--size-gb 2] [--stream-gb 0.5] [--gguf-gb 2] [--eval-ctx 512] [--no-write]
     python bench/run.py --cases measure --measure-model qwen2.5-coder-1.5b [--measure-methods default,variants]
     python bench/run.py --cases readme     # the README's loop as printed, on Qwen2.5-Coder-1.5B, against target-size
+    python bench/run.py --cases best [--measure-model smollm2]   # the default against the best llama.cpp file per size
 
 This file is the command line only. Each case is a module of ``bench/cases/`` named for it (``gguf-stream``:
 ``gguf_stream.py``), over ``bench/harness.py``: the data, the timing, the peak memory and the results table
@@ -28,6 +29,7 @@ import argparse
 import os
 import sys
 
+from cases.best import case_best
 from cases.bytes import case_bytes
 from cases.census import case_census
 from cases.eval import case_eval
@@ -110,6 +112,9 @@ def main() -> int:
         case_scale(args.runs, args.eval_ctx)
     if "readme" in cases:
         case_readme(args.measure_ctx, args.measure_rows)
+    if "best" in cases:
+        for key in (args.measure_model,) if args.measure_model else ("smollm2", "qwen2.5-coder-1.5b"):
+            case_best(key, args.measure_ctx, args.measure_rows)
     if "measure" in cases and args.measure_model:
         words = args.measure_methods.split(",")
         if {"default", "variants", "goal"} & set(words):
