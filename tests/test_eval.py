@@ -185,6 +185,26 @@ def test_cli_json_and_table(models: dict[str, Path]) -> None:
     assert str(models["mosaic"]) in r.output and "improve" in r.output
 
 
+def test_per_position_kl_is_each_rows_own_and_gives_the_panels_tail(models: dict[str, Path]) -> None:
+    """``--per-position`` adds each row's KL at every position: the row's mean and the panel's percentiles come
+    back from them exactly, so a reader resampling rows gets the tail the panel reports. Without it, rows stay
+    small."""
+    plain = run(models, ["base"], models["donor"], ctx=CTX)
+    r = CliRunner().invoke(main, ["eval", str(models["base"]), "--reference", str(models["donor"]), "--text",
+                                  str(models["jsonl"]), "--ctx", str(CTX), "--per-position", "--json"])
+    assert r.exit_code == 0, r.output
+    (c,) = json.loads(r.stdout)["candidates"]
+    assert all("kl_positions" not in row for row in plain["candidates"][0]["rows"])
+    every = np.concatenate([np.asarray(row["kl_positions"]) for row in c["rows"]])
+    assert every.size == c["positions"] and min(row["positions"] for row in c["rows"]) > 0
+    for row in c["rows"]:
+        assert len(row["kl_positions"]) == row["positions"]
+        assert float(np.mean(row["kl_positions"])) == pytest.approx(row["kl"], rel=1e-12, abs=1e-15)
+    assert float(np.percentile(every, 99)) == pytest.approx(c["kl"]["p99"], rel=1e-12, abs=1e-15)
+    assert float(every.max()) == pytest.approx(c["kl"]["max"], rel=1e-12, abs=1e-15)
+    assert c["kl"]["mean"] == pytest.approx(plain["candidates"][0]["kl"]["mean"], rel=1e-12)
+
+
 def test_kl_lower_bound_is_exact_with_the_whole_vocabulary_and_below_it_otherwise() -> None:
     rng = np.random.default_rng(0)
     t = log_softmax(rng.standard_normal((20, 50)) * 3)

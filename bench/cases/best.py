@@ -12,9 +12,11 @@ mosaic's side is the README's loop as printed (its commands parsed from README.m
 ladder, one measurement, and a plan and a build per size, no method flag. The goal sizes are the stock types' bytes
 of :data:`GOALS`; a size at or above the teacher's own is dropped and said. Per size and row set (the held-out
 paragraphs, and ``bench/data/fresh-paragraphs.txt``, which no choice saw): the plan's mean KL over the anchor's with
-a paired SE (the delta method over rows) and a bootstrap SE (rows resampled), p99 and top-1 beside the anchor's,
-and the goal: KL ≤ :data:`RATIO` × the anchor's, p99 no worse, top-1 no lower. A size that misses says by how much
-and which tensors differ from the anchor's mix.
+a paired SE (the delta method over rows) and a bootstrap SE (rows resampled, the same for both files), p99 and
+top-1 beside the anchor's with the bootstrap SE of each difference (``mosaic eval --per-position`` keeps each row's
+KL at every position, so a resample's p99 is the pooled positions' own), and the goal: KL ≤ :data:`RATIO` × the
+anchor's, p99 no worse, top-1 no lower. A size that misses says by how much and which tensors differ from the
+anchor's mix.
 
 Everything made and every score is kept in ``best-<model>/`` (``scores.json`` after each evaluation), so a run cut
 off, or the next one, makes and scores only what is missing: rivals by their label, mosaic's plans by what they
@@ -34,9 +36,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import DATA, ROOT, drop, row
+from harness import DATA, MOSAIC, ROOT, drop, row
 
-from cases.ladder import MODELS, TARGET_SIZE_SCRIPT, _evaluate, _timed, _tool, differences, ratio
+from cases.ladder import MODELS, TARGET_SIZE_SCRIPT, _size, _timed, _tool, differences, mix, ratio
 from cases.readme import _mapped, parse, placeholders, readme_loop
 
 #: Every stock type llama-quantize makes from an importance matrix at 2.5 bits a weight or more (the ladder's own
@@ -68,12 +70,42 @@ def plan_key(recipe: Path) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def bootstrap_se(c: dict, r: dict, n: int = 2000) -> float:
-    """The SE of KL(c) / KL(r) over ``n`` resamples of the rows (each row's summed KL, paired)."""
-    a = np.array([x[0] for x in c["rows"]], dtype=np.float64)
-    b = np.array([x[0] for x in r["rows"]], dtype=np.float64)
-    picks = np.random.default_rng(0).integers(0, len(a), (n, len(a)))
-    return float(np.std(a[picks].sum(axis=1) / b[picks].sum(axis=1), ddof=1))
+def evaluate(files: dict[str, Path], teacher: Path, text: Path, ctx: int, env: dict[str, str], costs: dict[str, float],
+             got: dict[str, dict]) -> None:
+    """Score ``files`` on ``text``, the teacher live, each row with its KL at every position (``--per-position``):
+    ``rows`` as the ladder case keeps them (each row's summed KL and positions) and, for the tail's and top-1's
+    bootstrap, ``top1`` and ``kl`` per row and position."""
+    r = _timed(costs, "evals", [*MOSAIC, "eval", *map(str, files.values()), "--reference", str(teacher), "--text", str(text),
+                                "--ctx", str(ctx), "--per-position", "--json"], env=env)
+    ev = json.loads(r.stdout)
+    for (label, path), c in zip(files.items(), ev["candidates"]):
+        got[label] = {"kl": c["kl"]["mean"], "p99": c["kl"]["p99"], "top1": c["top1"], "bytes": _size(path), "mix": mix(path),
+                      "rows": [[x["kl"] * x["positions"], x["positions"]] for x in c["rows"]],
+                      "row_top1": [x["top1"] for x in c["rows"]],
+                      "positions_kl": [[round(v, 7) for v in x["kl_positions"]] for x in c["rows"]],
+                      "positions": ev["positions"], "runtime": ev["runtime"]}
+
+
+def bootstrap(c: dict, a: dict, n: int = 2000) -> dict[str, float | None]:
+    """Standard errors over ``n`` resamples of the rows, the same rows for both files (paired): of KL(c) / KL(a),
+    of p99(c) − p99(a) (the pooled positions' 99th percentile, where both kept them; else None) and of
+    top-1(c) − top-1(a)."""
+    ka = np.array([x[0] for x in c["rows"]], dtype=np.float64)
+    kb = np.array([x[0] for x in a["rows"]], dtype=np.float64)
+    pos = np.array([x[1] for x in c["rows"]], dtype=np.float64)
+    picks = np.random.default_rng(0).integers(0, len(ka), (n, len(ka)))
+    out: dict[str, float | None] = {"kl": float(np.std(ka[picks].sum(axis=1) / kb[picks].sum(axis=1), ddof=1)),
+                                    "p99": None, "top1": None}
+    if "row_top1" in c and "row_top1" in a:
+        ta, tb = np.array(c["row_top1"]) * pos, np.array(a["row_top1"]) * pos
+        out["top1"] = float(np.std((ta[picks].sum(axis=1) - tb[picks].sum(axis=1)) / pos[picks].sum(axis=1), ddof=1))
+    if "positions_kl" in c and "positions_kl" in a:
+        pc = [np.asarray(x) for x in c["positions_kl"]]
+        pa = [np.asarray(x) for x in a["positions_kl"]]
+        d = [np.percentile(np.concatenate([pc[i] for i in p]), 99) - np.percentile(np.concatenate([pa[i] for i in p]), 99)
+             for p in picks[:400]]  # 400 resamples: a percentile of thousands of positions each
+        out["p99"] = float(np.std(d, ddof=1))
+    return out
 
 
 def anchor(scored: dict[str, dict], budget: int, teacher_bytes: int, size: str) -> str | None:
@@ -91,15 +123,20 @@ def frontier_of(scored: dict[str, dict]) -> list[str]:
 
 
 def verdict(c: dict, a: dict) -> tuple[bool, str]:
-    """Whether the plan ``c`` meets the goal against the anchor ``a``, and the sentence that says so."""
+    """Whether the plan ``c`` meets the goal against the anchor ``a``, and the sentence that says so (each
+    difference with its bootstrap SE: a miss within one SE is said to be)."""
     q, se = ratio(c, a)
-    bse = bootstrap_se(c, a)
+    b = bootstrap(c, a)
+
+    def pm(x: float | None, fmt: str) -> str:
+        return f" ± {x:{fmt}}" if x is not None else " (± n/a: scored without per-position KL)"
+
     misses = [*([f"KL {q:.2f} × (over {RATIO:.2f} by {q - RATIO:.2f})"] if q > RATIO else []),
-              *([f"p99 {c['p99']:.3f} > {a['p99']:.3f}"] if c["p99"] > a["p99"] else []),
-              *([f"top-1 {c['top1']:.4f} < {a['top1']:.4f}"] if c["top1"] < a["top1"] else [])]
-    return not misses, (f"KL {c['kl']:.4f}: {q:.2f} × (± {se:.2f} paired, ± {bse:.2f} bootstrap); p99 {c['p99']:.3f} "
-                        f"({a['p99']:.3f}); top-1 {c['top1']:.4f} ({a['top1']:.4f}): "
-                        + ("met" if not misses else "missed: " + "; ".join(misses)))
+              *([f"p99 {c['p99'] - a['p99']:+.3f}" + pm(b["p99"], ".3f")] if c["p99"] > a["p99"] else []),
+              *([f"top-1 {c['top1'] - a['top1']:+.4f}" + pm(b["top1"], ".4f")] if c["top1"] < a["top1"] else [])]
+    return not misses, (f"KL {c['kl']:.4f}: {q:.2f} × (± {se:.2f} paired, ± {b['kl']:.2f} bootstrap); p99 {c['p99']:.3f} "
+                        f"({a['p99']:.3f}{pm(b['p99'], '.3f')} on the difference); top-1 {c['top1']:.4f} ({a['top1']:.4f}"
+                        f"{pm(b['top1'], '.4f')}): " + ("met" if not misses else "missed: " + "; ".join(misses)))
 
 
 class Scores:
@@ -151,7 +188,7 @@ def case_best(model_key: str, ctx: int, measure_rows: int) -> None:
         for s in sets:
             todo = [k for k in files if k not in scores.got[s]]
             for i in range(0, len(todo), BATCH):
-                _evaluate({k: files[k] for k in todo[i:i + BATCH]}, teacher, texts[s], ctx, env, scores.costs, scores.got[s])
+                evaluate({k: files[k] for k in todo[i:i + BATCH]}, teacher, texts[s], ctx, env, scores.costs, scores.got[s])
                 scores.save()
 
     def make_stock(t: str) -> Path:

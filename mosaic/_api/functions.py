@@ -583,6 +583,7 @@ def evaluate(
     threads: int | None = None,
     runtime: str | None = None,
     gpu_layers: int | str | None = None,
+    per_position: bool = False,
     verbose: bool = False,
     progress: Progress = False,
 ) -> EvalResult:
@@ -593,7 +594,8 @@ def evaluate(
     against its size on disk (the ``plot`` extra). GGUF models run on llama.cpp (the ``runtime`` extra;
     ``runtime`` picks ``cyllama`` or ``llama-cpp-python``; ``gpu_layers``: ``"all"`` or a count of layers
     llama.cpp offloads, by default all where the binding can offload, else 0), EXL3 folders on exllamav3 (the
-    ``exl3`` extra, a CUDA GPU).
+    ``exl3`` extra, a CUDA GPU). ``per_position``: each row also carries its KL at every position
+    (``kl_positions``), for resampling the tail by rows.
 
     >>> from mosaic.testing.gguf import write_llama_gguf
     >>> teacher = write_llama_gguf(tmp / "q8.gguf", qtype="Q8_0", seed=1)[0]
@@ -615,7 +617,8 @@ def evaluate(
     _in_range("--threads", threads, 1, 1024)
     req = EvalRequest([os.fspath(c) for c in candidates], os.fspath(reference), Path(text), ctx, top_k,
                       None if save_reference is None else Path(save_reference), verbose=verbose, runtime=runtime,
-                      threads=threads, plot=None if plot is None else Path(plot), gpu_layers=parse_gpu_layers(gpu_layers))
+                      threads=threads, plot=None if plot is None else Path(plot), gpu_layers=parse_gpu_layers(gpu_layers),
+                      per_position=per_position)
     with _running(progress, unit="tokens") as r:
         return EvalResult(_evaluate(req, r))
 

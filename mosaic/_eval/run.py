@@ -64,6 +64,7 @@ class EvalRequest:
     threads: int | None = None
     plot: Path | None = None
     gpu_layers: int | str | None = None
+    per_position: bool = False
 
 
 @dataclass
@@ -183,7 +184,7 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
         scores, kept, spent = _score(teacher, cands, ctx, progress, len(rows.texts), keep=req.save_reference is not None,
                                      threads=req.threads)
     exact = teacher.live is not None
-    results = [summarize(c.name, s, exact) for c, s in zip(cands, scores)]
+    results = [summarize(c.name, s, exact, req.per_position) for c, s in zip(cands, scores)]
     doc: dict[str, object] = {
         "reference": teacher.name,
         "reference_kind": "live (exact KL)" if exact else f"saved top-{teacher.k} (KL lower bound)",

@@ -385,12 +385,14 @@ def rebuild(ref: str, overrides: tuple[str, ...], out: Path | None, jobs: int | 
 @click.option("--threads", type=click.IntRange(1, 1024), default=None, help="Runtime threads (default: every core).")
 @click.option("--gpu-layers", "gpu_layers", default=None, metavar="N|all",
               help="Layers llama.cpp offloads to the GPU (default: all where the runtime can offload, else 0).")
+@click.option("--per-position", "per_position", is_flag=True,
+              help="With --json: each row's KL at every position too (kl_positions), to resample the tail by rows.")
 @click.option("--verbose", is_flag=True, help="Show the runtime's own log lines on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON report on stdout.")
 @_guarded
 def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int | None, top_k: int | None,
-             save_reference: Path | None, plot: Path | None, threads: int | None, gpu_layers: str | None, verbose: bool,
-             as_json: bool) -> None:
+             save_reference: Path | None, plot: Path | None, threads: int | None, gpu_layers: str | None,
+             per_position: bool, verbose: bool, as_json: bool) -> None:
     """Score CANDIDATEs against a teacher on the same tokens: the quality panel of a mosaic.
 
     Per candidate: top-1 agreement with the teacher, KL(teacher || candidate) (exact with a live teacher,
@@ -402,8 +404,8 @@ def eval_cmd(candidates: tuple[str, ...], reference: str, text: Path, ctx: int |
     from mosaic.cli.render import render_eval
 
     res = api.evaluate(list(candidates), reference=reference, text=text, ctx=ctx, top_k=top_k,
-                       save_reference=save_reference, plot=plot, threads=threads, gpu_layers=gpu_layers, verbose=verbose,
-                       progress=_bars(as_json))
+                       save_reference=save_reference, plot=plot, threads=threads, gpu_layers=gpu_layers,
+                       per_position=per_position, verbose=verbose, progress=_bars(as_json))
     doc = res.as_dict()
     if as_json:
         _emit_json(doc)
