@@ -269,6 +269,7 @@ def case_best(model_key: str, ctx: int, measure_rows: int) -> None:
     (DATA / f"best-{model.key}.json").write_text(json.dumps({
         "model": model.key, "budgets": budgets, "dropped": dropped, "teacher_bytes": teacher_bytes, "got": scores.got,
         "costs": scores.costs, "wall": time.perf_counter() - started}, indent=1))
+    print(markdown(DATA / f"best-{model.key}.json"))
 
 
 def _report(case: str, name: str, teacher_bytes: int, budgets: dict[str, int], dropped: list[str],
@@ -301,3 +302,37 @@ def _report(case: str, name: str, teacher_bytes: int, budgets: dict[str, int], d
             "each beaten on the held-out rows by a file of no more bytes")
     row(case, "goal", f"≤ {RATIO:.2f} × the best llama.cpp file's KL, p99 no worse, top-1 no lower",
         ", ".join(f"{s}: met at {met[s]} of {len(budgets)} sizes" for s in ROW_SETS))
+
+
+def markdown(path: Path) -> str:
+    """The case's verdicts as one markdown table per row set (bench/RESULTS.md's form), from its saved
+    ``best-<model>.json``: per size, the anchor, target-size, the plan, and the plan against the anchor."""
+    d = json.loads(path.read_text())
+    out = []
+    for s in ROW_SETS:
+        got = d["got"][s]
+        out += [f"{s} rows: mean KL / p99 / top-1", "",
+                "| size (bytes) | the best llama.cpp file | target-size | mosaic | KL ratio (paired, bootstrap SE) | "
+                "p99 difference (SE) | top-1 difference (SE) | goal |", "|---|---|---|---|---|---|---|---|"]
+        for t, n in d["budgets"].items():
+            a, c = anchor(got, n, d["teacher_bytes"], t), got.get(f"mosaic @ {t}")
+            if a is None or c is None:
+                out.append(f"| {t} ({n:,}) | not scored | | | | | | |")
+                continue
+            ts, A = got[f"target-size at {t}"], got[a]
+            q, se = ratio(c, A)
+            b = bootstrap(c, A)
+            ok, _ = verdict(c, A)
+
+            def cell(x: dict) -> str:
+                return f"{x['kl']:.4f} / {x['p99']:.3f} / {x['top1']:.4f}"
+
+            def se_(x: float | None, f: str) -> str:
+                return f"{x:{f}}" if x is not None else "n/a"
+
+            out.append(f"| {t} ({n:,}) | {a.removesuffix(' (imatrix)') if a.endswith('(imatrix)') else 'target-size'}: "
+                       f"{cell(A)} | {cell(ts)} | {cell(c)} | {q:.2f} ({se:.2f}, {b['kl']:.2f}) | "
+                       f"{c['p99'] - A['p99']:+.3f} ({se_(b['p99'], '.3f')}) | {c['top1'] - A['top1']:+.4f} "
+                       f"({se_(b['top1'], '.4f')}) | {'met' if ok else 'missed'} |")
+        out.append("")
+    return "\n".join(out)
