@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import DATA, MOSAIC, ROOT, drop, row
+from harness import DATA, ROOT, drop, row
 
-from cases.ladder import MODELS, TARGET_SIZE_SCRIPT, _size, _timed, _tool, differences, mix, ratio
+from cases.ladder import MODELS, TARGET_SIZE_SCRIPT, _evaluate, _timed, _tool, differences, ratio
 from cases.readme import _mapped, parse, placeholders, readme_loop
 
 #: Every stock type llama-quantize makes from an importance matrix at 2.5 bits a weight or more (the ladder's own
@@ -68,22 +68,6 @@ def plan_key(recipe: Path) -> str:
     body = {"base": Path(doc["base"]["path"]).name,
             "replace": sorted((donors[r["from"]], sorted(r["keys"])) for r in doc.get("replace", []))}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def evaluate(files: dict[str, Path], teacher: Path, text: Path, ctx: int, env: dict[str, str], costs: dict[str, float],
-             got: dict[str, dict]) -> None:
-    """Score ``files`` on ``text``, the teacher live, each row with its KL at every position (``--per-position``):
-    ``rows`` as the ladder case keeps them (each row's summed KL and positions) and, for the tail's and top-1's
-    bootstrap, ``top1`` and ``kl`` per row and position."""
-    r = _timed(costs, "evals", [*MOSAIC, "eval", *map(str, files.values()), "--reference", str(teacher), "--text", str(text),
-                                "--ctx", str(ctx), "--per-position", "--json"], env=env)
-    ev = json.loads(r.stdout)
-    for (label, path), c in zip(files.items(), ev["candidates"]):
-        got[label] = {"kl": c["kl"]["mean"], "p99": c["kl"]["p99"], "top1": c["top1"], "bytes": _size(path), "mix": mix(path),
-                      "rows": [[x["kl"] * x["positions"], x["positions"]] for x in c["rows"]],
-                      "row_top1": [x["top1"] for x in c["rows"]],
-                      "positions_kl": [[round(v, 7) for v in x["kl_positions"]] for x in c["rows"]],
-                      "positions": ev["positions"], "runtime": ev["runtime"]}
 
 
 def bootstrap(c: dict, a: dict, n: int = 2000) -> dict[str, float | None]:
@@ -122,9 +106,10 @@ def frontier_of(scored: dict[str, dict]) -> list[str]:
             if not any(o["bytes"] <= v["bytes"] and o["kl"] < v["kl"] for j, o in scored.items() if j != k)]
 
 
-def verdict(c: dict, a: dict) -> tuple[bool, str]:
-    """Whether the plan ``c`` meets the goal against the anchor ``a``, and the sentence that says so (each
-    difference with its bootstrap SE: a miss within one SE is said to be)."""
+def verdict(c: dict, a: dict) -> tuple[bool, str, tuple[float, float, dict[str, float | None]]]:
+    """Whether the plan ``c`` meets the goal against the anchor ``a``, the sentence that says so (each difference
+    with its bootstrap SE: a miss within one SE is said to be), and the numbers behind it (the KL ratio, its paired
+    SE, the bootstrap SEs), so the table reads them without resampling again."""
     q, se = ratio(c, a)
     b = bootstrap(c, a)
 
@@ -136,7 +121,7 @@ def verdict(c: dict, a: dict) -> tuple[bool, str]:
               *([f"top-1 {c['top1'] - a['top1']:+.4f}" + pm(b["top1"], ".4f")] if c["top1"] < a["top1"] else [])]
     return not misses, (f"KL {c['kl']:.4f}: {q:.2f} × (± {se:.2f} paired, ± {b['kl']:.2f} bootstrap); p99 {c['p99']:.3f} "
                         f"({a['p99']:.3f}{pm(b['p99'], '.3f')} on the difference); top-1 {c['top1']:.4f} ({a['top1']:.4f}"
-                        f"{pm(b['top1'], '.4f')}): " + ("met" if not misses else "missed: " + "; ".join(misses)))
+                        f"{pm(b['top1'], '.4f')}): " + ("met" if not misses else "missed: " + "; ".join(misses))), (q, se, b)
 
 
 class Scores:
@@ -188,7 +173,8 @@ def case_best(model_key: str, ctx: int, measure_rows: int) -> None:
         for s in sets:
             todo = [k for k in files if k not in scores.got[s]]
             for i in range(0, len(todo), BATCH):
-                evaluate({k: files[k] for k in todo[i:i + BATCH]}, teacher, texts[s], ctx, env, scores.costs, scores.got[s])
+                _evaluate({k: files[k] for k in todo[i:i + BATCH]}, teacher, texts[s], ctx, env, scores.costs, scores.got[s],
+                          per_position=True)
                 scores.save()
 
     def make_stock(t: str) -> Path:
@@ -289,7 +275,7 @@ def _report(case: str, name: str, teacher_bytes: int, budgets: dict[str, int], d
                 row(case, f"{s}: {t} ({n:,} bytes)", "not scored", "")
                 continue
             ts = scored[f"target-size at {t}"]
-            ok, words = verdict(c, scored[a])
+            ok, words, _ = verdict(c, scored[a])
             met[s] += ok
             row(case, f"{s}: mosaic at {t}'s bytes ({n:,})", f"anchor: {a} (KL {scored[a]['kl']:.4f}; target-size "
                 f"{ts['kl']:.4f})", words)
@@ -302,6 +288,14 @@ def _report(case: str, name: str, teacher_bytes: int, budgets: dict[str, int], d
             "each beaten on the held-out rows by a file of no more bytes")
     row(case, "goal", f"≤ {RATIO:.2f} × the best llama.cpp file's KL, p99 no worse, top-1 no lower",
         ", ".join(f"{s}: met at {met[s]} of {len(budgets)} sizes" for s in ROW_SETS))
+
+
+def _cell(x: dict) -> str:
+    return f"{x['kl']:.4f} / {x['p99']:.3f} / {x['top1']:.4f}"
+
+
+def _se(x: float | None, f: str) -> str:
+    return f"{x:{f}}" if x is not None else "n/a"
 
 
 def markdown(path: Path) -> str:
@@ -320,19 +314,10 @@ def markdown(path: Path) -> str:
                 out.append(f"| {t} ({n:,}) | not scored | | | | | | |")
                 continue
             ts, A = got[f"target-size at {t}"], got[a]
-            q, se = ratio(c, A)
-            b = bootstrap(c, A)
-            ok, _ = verdict(c, A)
-
-            def cell(x: dict) -> str:
-                return f"{x['kl']:.4f} / {x['p99']:.3f} / {x['top1']:.4f}"
-
-            def se_(x: float | None, f: str) -> str:
-                return f"{x:{f}}" if x is not None else "n/a"
-
+            ok, _, (q, se, b) = verdict(c, A)
             out.append(f"| {t} ({n:,}) | {a.removesuffix(' (imatrix)') if a.endswith('(imatrix)') else 'target-size'}: "
-                       f"{cell(A)} | {cell(ts)} | {cell(c)} | {q:.2f} ({se:.2f}, {b['kl']:.2f}) | "
-                       f"{c['p99'] - A['p99']:+.3f} ({se_(b['p99'], '.3f')}) | {c['top1'] - A['top1']:+.4f} "
-                       f"({se_(b['top1'], '.4f')}) | {'met' if ok else 'missed'} |")
+                       f"{_cell(A)} | {_cell(ts)} | {_cell(c)} | {q:.2f} ({se:.2f}, {b['kl']:.2f}) | "
+                       f"{c['p99'] - A['p99']:+.3f} ({_se(b['p99'], '.3f')}) | {c['top1'] - A['top1']:+.4f} "
+                       f"({_se(b['top1'], '.4f')}) | {'met' if ok else 'missed'} |")
         out.append("")
     return "\n".join(out)

@@ -239,17 +239,22 @@ class Sittings:
 
 
 def _evaluate(models: dict[str, Path], teacher: Path, held: Path, ctx: int, env: dict[str, str], costs: dict[str, float],
-              got: dict[str, dict]) -> None:
-    """Score ``models`` on the held-out rows, the teacher live; each result (with its size on disk) into ``got``."""
+              got: dict[str, dict], per_position: bool = False) -> None:
+    """Score ``models`` on the held-out rows, the teacher live; each result (with its size on disk) into ``got``.
+    ``per_position``: each row's top-1 and its KL at every position too (``row_top1``, ``positions_kl``), for
+    bootstrapping the tail and top-1 over rows."""
     if not models:
         return
     r = _timed(costs, "evals", [*MOSAIC, "eval", *map(str, models.values()), "--reference", str(teacher), "--text", str(held),
-                                "--ctx", str(ctx), "--json"], env=env)
+                                "--ctx", str(ctx), *(["--per-position"] if per_position else []), "--json"], env=env)
     ev = json.loads(r.stdout)
     for (label, path), c in zip(models.items(), ev["candidates"]):
         got[label] = {"kl": c["kl"]["mean"], "p99": c["kl"]["p99"], "top1": c["top1"], "bytes": _size(path), "mix": mix(path),
                       "rows": [[x["kl"] * x["positions"], x["positions"]] for x in c["rows"]],
                       "positions": ev["positions"], "runtime": ev["runtime"]}
+        if per_position:
+            got[label] |= {"row_top1": [x["top1"] for x in c["rows"]],
+                           "positions_kl": [[round(v, 7) for v in x["kl_positions"]] for x in c["rows"]]}
 
 
 def ratio(c: dict, r: dict, rows: np.ndarray | None = None) -> tuple[float, float]:
