@@ -238,9 +238,10 @@ def test_a_measurement_whose_worker_is_killed_keeps_its_journal_and_resumes(tmp_
     args = ["measure", "--base", str(q["Q2_K"]), "--donor", f"q8={q['Q8_0']}", "--reference", str(teacher),
             "--text", str(text), "--unit", "module-group", "--only-layers", "0", "--ctx", "64", "--top-k", "8",
             "--method", "swaps", "--out", str(out)]
-    # loads: the teacher, the base (its tokens checked), the base scored, then one per candidate, each loaded
-    # while the one before decodes: the 6th load is the third candidate's, killed while the second decodes
-    r = run_cli(args, fault="llama-load:6:kill", timeout=600)
+    # one decode per row and model, in order: the teacher's two, the base's two, the first candidate's two; the
+    # 7th is the second candidate's first, while the third is loaded beside it. (A kill at a load would race the
+    # decode beside it: which request sees the worker die is the scheduler's choice.)
+    r = run_cli(args, fault="llama-decode:7:kill", timeout=600)
     line = _one_line(r, 2)
     assert re.fullmatch(r"mosaic: error: llama\.cpp was killed by signal 9 while decoding layer 0 \w+ from q8 "
                         r"\(and loading layer 0 \w+ from q8 beside it\) \(out of memory\?\)", line), line
@@ -254,6 +255,24 @@ def test_a_measurement_whose_worker_is_killed_keeps_its_journal_and_resumes(tmp_
     assert not journal.exists() and json.loads(out.read_text()) == doc
     groups = [x["group"] for x in doc["results"]]
     assert len(groups) == len(set(groups)) >= 3  # the killed candidate ran again, once
+
+
+def test_a_worker_killed_while_loading_ahead_names_the_candidate_however_the_kill_is_seen(tmp_path: Path) -> None:
+    """The 6th load is the third candidate's, beside the second's decode: the kill is seen by the preload's own
+    request, between two requests, or by the decode, as the scheduler has it; each line names the candidate."""
+    teacher, q = smollm2_quants(["Q2_K", "Q8_0"])
+    text = tmp_path / "rows.txt"
+    paragraphs = (Path(__file__).parent / "data" / "paragraphs.txt").read_text().splitlines()
+    text.write_text("\n".join(p[:160] for p in paragraphs[:2]) + "\n")
+    out = tmp_path / "m.json"
+    r = run_cli(["measure", "--base", str(q["Q2_K"]), "--donor", f"q8={q['Q8_0']}", "--reference", str(teacher),
+                 "--text", str(text), "--unit", "module-group", "--only-layers", "0", "--ctx", "64", "--top-k", "8",
+                 "--method", "swaps", "--out", str(out)], fault="llama-load:6:kill", timeout=600)
+    line = _one_line(r, 2)
+    assert re.fullmatch(r"mosaic: error: llama\.cpp was killed by signal 9 while (loading layer 0 \w+ from q8 ahead|"
+                        r"decoding layer 0 \w+ from q8 \(and loading layer 0 \w+ from q8 beside it\)) "
+                        r"\(out of memory\?\)", line), line
+    assert not out.exists() and (tmp_path / "m.json.partial").is_file()
 
 
 # ----------------------------------------------------------------------------------- the panel

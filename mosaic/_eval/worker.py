@@ -351,7 +351,9 @@ class WorkerRuntime:
         """Starts loading ``path`` in the worker while it goes on with other requests; an earlier preload not
         claimed is closed. The model's pages are extra memory until it is claimed: the caller decides there is
         room for them."""
-        head, _ = self.worker.call(f"preloading {path}", {"op": "preload", "path": str(path), "ctx": ctx, "batch": batch})
+        # the load may start before the reply: a worker that dies at once dies "loading" the model, by its name
+        head, _ = self.worker.call(f"loading {name or path} ahead",
+                                   {"op": "preload", "path": str(path), "ctx": ctx, "batch": batch})
         self.worker.preloading = name or str(path)
         return Preload(int(head["ok"]), self.worker.generation)
 
