@@ -82,6 +82,7 @@ def direct(models: dict[str, Path], candidate: str, teacher: str = "donor") -> d
     finally:
         t_model.close()
     rows = []
+    seen: set[tuple[int, ...]] = set()  # contexts scored: one an earlier row opened with counts once
     for toks in row_tokens:
         kl, agree, nll = [], [], []
         for w in windows(toks, CTX):
@@ -89,9 +90,11 @@ def direct(models: dict[str, Path], candidate: str, teacher: str = "donor") -> d
             cl = whole_window_logits(models[candidate], w)[:-1]
             tp = tl - np.log(np.exp(tl - tl.max(1, keepdims=True)).sum(1, keepdims=True)) - tl.max(1, keepdims=True)
             cp = cl - np.log(np.exp(cl - cl.max(1, keepdims=True)).sum(1, keepdims=True)) - cl.max(1, keepdims=True)
-            kl += list((np.exp(tp) * (tp - cp)).sum(1))
-            agree += list((tl.argmax(1) == cl.argmax(1)).astype(float))
-            nll += list(-cp[np.arange(len(w) - 1), w[1:]])
+            new = [tuple(w[:j + 1]) not in seen for j in range(len(w) - 1)]
+            seen.update(tuple(w[:j + 1]) for j in range(len(w) - 1))
+            kl += list((np.exp(tp) * (tp - cp)).sum(1)[new])
+            agree += list((tl.argmax(1) == cl.argmax(1)).astype(float)[new])
+            nll += list(-cp[np.arange(len(w) - 1), w[1:]][new])
         rows.append({"kl": float(np.mean(kl)), "top1": float(np.mean(agree)), "nll": float(np.mean(nll)), "all_kl": kl,
                      "all_top1": agree, "all_nll": nll})
     every = {k: [x for r in rows for x in r[f"all_{k}"]] for k in ("kl", "top1", "nll")}
@@ -130,6 +133,19 @@ def test_numbers_equal_a_direct_numpy_computation_from_llama_cpp_logits(models: 
             assert (g["kl"], g["nll"]) == pytest.approx((w["kl"], w["nll"]), rel=0, abs=1e-6)
             assert g["top1"] == w["top1"]
     assert doc["positions"] == len(want["rows"][0]["all_kl"]) + sum(len(r["all_kl"]) for r in want["rows"][1:])
+    assert doc["repeated"] > 0  # rows that open alike: their shared prediction counted once
+
+
+def test_a_row_given_twice_is_one_row_of_evidence(models: dict[str, Path], tmp_path: Path) -> None:
+    """The same text twice predicts the same tokens from the same contexts: the panel's numbers do not move."""
+    once = run(models, ["base"], models["donor"], ctx=CTX, top_k=8)
+    text = tmp_path / "twice.txt"
+    text.write_text("\n".join([*ROWS, ROWS[1]]) + "\n")
+    twice = evaluate(EvalRequest([str(models["base"])], str(models["donor"]), text, ctx=CTX, top_k=8))
+    a, b = once["candidates"][0], twice["candidates"][0]
+    assert b["kl"] == a["kl"] and (b["top1"], b["nll"]) == (a["top1"], a["nll"])
+    assert twice["positions"] == once["positions"] and twice["repeated"] > once["repeated"]
+    assert b["rows"][-1]["positions"] == 0 and len(b["rows"]) == len(ROWS) + 1
 
 
 def test_the_teacher_against_itself(models: dict[str, Path]) -> None:

@@ -131,7 +131,9 @@ class Scores:
     def __init__(self, path: Path) -> None:
         self.path = path
         doc = json.loads(path.read_text()) if path.is_file() else {}
-        self.got: dict[str, dict[str, dict]] = {s: doc.get("got", {}).get(s, {}) for s in ROW_SETS}
+        # a score from before a repeated context counted once (no ``repeated``) is another statistic: scored again
+        self.got: dict[str, dict[str, dict]] = {s: {k: v for k, v in doc.get("got", {}).get(s, {}).items() if "repeated" in v}
+                                                for s in ROW_SETS}
         self.keys: dict[str, str] = doc.get("keys", {})
         self.costs: dict[str, float] = doc.get("costs", {})
 

@@ -251,7 +251,7 @@ def _evaluate(models: dict[str, Path], teacher: Path, held: Path, ctx: int, env:
     for (label, path), c in zip(models.items(), ev["candidates"]):
         got[label] = {"kl": c["kl"]["mean"], "p99": c["kl"]["p99"], "top1": c["top1"], "bytes": _size(path), "mix": mix(path),
                       "rows": [[x["kl"] * x["positions"], x["positions"]] for x in c["rows"]],
-                      "positions": ev["positions"], "runtime": ev["runtime"]}
+                      "positions": ev["positions"], "repeated": ev["repeated"], "runtime": ev["runtime"]}
         if per_position:
             got[label] |= {"row_top1": [x["top1"] for x in c["rows"]],
                            "positions_kl": [[round(v, 7) for v in x["kl_positions"]] for x in c["rows"]]}

@@ -152,10 +152,15 @@ def _stats(x: np.ndarray) -> dict[str, float]:
     return {"mean": float(x.mean()), "p50": float(p50), "p95": float(p95), "p99": float(p99), "max": float(x.max())}
 
 
-def summarize(model: str, s: Scores, exact: bool, per_position: bool = False) -> dict[str, object]:
+def summarize(model: str, s: Scores, exact: bool, per_position: bool = False,
+              repeats: list[np.ndarray] | None = None) -> dict[str, object]:
     """The candidate's panel: its stats over every position and per row. ``per_position``: each row also carries
     its KL at every position (``kl_positions``), so that a reader can resample rows, the independent units, and
-    put a standard error on the tail (p99) as it can on the mean."""
+    put a standard error on the tail (p99) as it can on the mean. ``repeats`` (per row, as
+    :func:`~mosaic._eval.scoring.repeated` marks them): positions left out, their prediction counted where it
+    was first made."""
+    if repeats is not None:
+        s = Scores(*([x[~m] for x, m in zip(part, repeats, strict=True)] for part in (s.top1, s.kl, s.nll)))
     cat = {k: np.concatenate(v) if v else np.zeros(0) for k, v in (("top1", s.top1), ("kl", s.kl), ("nll", s.nll))}
     rows = [
         {"row": i, "positions": int(t.size), "top1": float(t.mean()) if t.size else 0.0,

@@ -43,6 +43,28 @@ def positions(row_tokens: Sequence[Sequence[int]], ctx: int) -> int:
     return sum(len(w) - 1 for t in row_tokens for w in windows(t, ctx))
 
 
+def repeated(row_tokens: Sequence[Sequence[int]], ctx: int) -> list[np.ndarray]:
+    """Per row, over its positions in scoring order: whether the position's context (its window up to it) is one
+    an earlier position already had. Rows that open alike ("The …") predict their second token from the same
+    context, so every model scores it the same each time: a panel that counted it once per row would weigh one
+    prediction by how many rows share an opening, and its tail (a p99 of a few thousand positions) can land on
+    that one value. Contexts are walked in a trie of the windows' tokens: memory is the tokens', time linear."""
+    root: dict[int, dict] = {}
+    out = []
+    for t in row_tokens:
+        marks: list[bool] = []
+        for w in windows(t, ctx):
+            node = root
+            for tok in w[:-1]:
+                nxt = node.get(tok)
+                marks.append(nxt is not None)
+                if nxt is None:
+                    nxt = node[tok] = {}
+                node = nxt
+        out.append(np.array(marks, dtype=bool))
+    return out
+
+
 @dataclass
 class Job:
     """One scoring: the rows' tokens, the teacher (``live``, or a saved top-k) and what to keep."""

@@ -342,7 +342,9 @@ def render_rebuild(console: Console, res: RebuildResult) -> None:
 
 def render_eval(console: Console, doc: dict) -> None:
     console.print(f"[bold]reference[/bold] {lit(doc['reference'])} ({lit(doc['reference_kind'])}); "
-                  f"{doc['rows']} rows, {doc['tokens']:,} tokens, {doc['positions']:,} positions, windows of {doc['ctx']}")
+                  f"{doc['rows']} rows, {doc['tokens']:,} tokens, {doc['positions']:,} positions"
+                  + (f" ({doc['repeated']:,} more repeat an earlier context: counted once)" if doc.get("repeated") else "")
+                  + f", windows of {doc['ctx']}")
     rt = doc.get("runtime")
     if rt:
         console.print(f"runtime {lit(rt['name'])} {lit(rt['version'])} (llama.cpp {lit(rt['llama_cpp'])}), "
