@@ -239,7 +239,8 @@ def score_against(ref: Reference, cands: list[Backend], progress: Reporter = SIL
     if timing is not None:
         for k, v in spent.items():
             timing[k] = timing.get(k, 0.0) + v
-    return [summarize(c.name, s, False) for c, s in zip(cands, scores)]
+    repeats = repeated(ref.row_tokens, ref.ctx)  # counted once, as ``mosaic eval`` counts them
+    return [summarize(c.name, s, False, repeats=repeats) for c, s in zip(cands, scores)]
 
 
 def check_tokens(c: Backend, ref: Reference, rows: Rows) -> None:

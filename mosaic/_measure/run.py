@@ -161,7 +161,8 @@ def _measure(req: MeasureRequest, shard: Shard | None, started: float, progress:
     fingerprint = {"format": side.format, "base": side.base_files, "donors": side.donor_files,
                    "text": rows.sha256 if rows is not None else None,
                    "reference": {key: v for key, v in (reference or {}).items() if key != "source"},
-                   "settings": settings, "runtime": runtime, "tool": __version__}
+                   "settings": settings, "runtime": runtime, "tool": __version__,
+                   "positions": "a context once"}  # a journal that counted a repeated context each time is refused
     if req.force:
         jpath.unlink(missing_ok=True)
         teacher_path.unlink(missing_ok=True)
