@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
+from cases.best import BATCH  # noqa: E402
 from cases.ladder import MODELS, _evaluate, _tool  # noqa: E402
 from harness import MOSAIC  # noqa: E402
 
@@ -103,10 +104,11 @@ def main() -> None:
               "Q3_K": requantized(quantize, teacher, model.imatrix, "Q3_K_M", a.work)}
     files: dict[str, Path] = {}
     errors: dict[str, float] = {}
-    first = f"blk.{a.layers.split(',')[0]}.attn_q.weight"
+    layers = [int(x) for x in a.layers.split(",")]
+    first = f"blk.{layers[0]}.attn_q.weight"
     files["nothing (the teacher's bytes rebuilt)"] = spliced(teacher, teacher, first, "same", a.work)
     errors["nothing (the teacher's bytes rebuilt)"] = 0.0
-    for layer in map(int, a.layers.split(",")):
+    for layer in layers:
         tensor = f"blk.{layer}.attn_q.weight"
         for i, (how, donor) in enumerate(donors.items()):
             label = f"`{tensor}` at {how}"
@@ -115,8 +117,8 @@ def main() -> None:
     got: dict[str, dict] = {}
     env = {k: v for k, v in os.environ.items() if k != "MOSAIC_RUNTIME"} | {"PYTHONPATH": str(ROOT)}
     labels = list(files)
-    for i in range(0, len(labels), 4):
-        _evaluate({k: files[k] for k in labels[i:i + 4]}, teacher, a.text, a.ctx, env, {}, got)
+    for i in range(0, len(labels), BATCH):
+        _evaluate({k: files[k] for k in labels[i:i + BATCH]}, teacher, a.text, a.ctx, env, {}, got)
     kld = perplexity_kld(ppl, teacher, files, a.text, a.ctx, a.work) if a.perplexity and ppl else {}
     print(f"| the teacher with ({a.text.name}, ctx {a.ctx}) | weight error | mosaic eval: KL / p99 / top-1 |"
           + (" llama-perplexity: Mean KLD |" if kld else ""))
