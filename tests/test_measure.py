@@ -141,6 +141,7 @@ def test_dbytes_is_the_built_size_growth_and_dkl_is_what_eval_gives(smol: dict[s
     ev = evaluate(EvalRequest([str(smol["Q2_K"]), str(one)], str(saved), smol["measure"]))
     b, c = ev["candidates"]
     assert doc["base"]["kl"] == pytest.approx(b["kl"]["mean"], abs=1e-6)
+    assert (doc["text"]["positions"], doc["text"]["repeated"]) == (ev["positions"], ev["repeated"])  # the same count
     assert best["dkl"] == pytest.approx(c["kl"]["mean"] - b["kl"]["mean"], abs=1e-6)
     assert best["dtop1"] == pytest.approx(c["top1"] - b["top1"], abs=1e-6)
 

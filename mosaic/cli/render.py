@@ -399,7 +399,9 @@ def render_measurement(console: Console, doc: dict, out: object) -> None:
         console.print(f"note: {lit(note)}")
     if b["kl"] is not None:
         console.print(f"base {lit(b['source'])}: KL {b['kl']:.5f} (top-{s['kl']['k']} lower bound), top-1 {b['top1']:.4f}, "
-                      f"NLL {b['nll']:.4f}; {doc['text']['rows']} rows, {doc['text']['positions']:,} positions")
+                      f"NLL {b['nll']:.4f}; {doc['text']['rows']} rows, {doc['text']['positions']:,} positions"
+                      + (f" (and {t['repeated']:,} whose context an earlier row had, counted once)"
+                         if (t := doc["text"]).get("repeated") else ""))
     top = doc.get("top")
     if top is not None:
         moved = sum(v != "base" for v in top["versions"].values())
