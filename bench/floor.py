@@ -34,18 +34,22 @@ from cases.ladder import MODELS, _evaluate, _tool  # noqa: E402
 from harness import MOSAIC  # noqa: E402
 
 
-def requantized(quantize: Path, teacher: Path, imatrix: Path, ftype: str, work: Path) -> Path:
-    """The teacher quantized again at ``ftype`` with the matrix (made once, kept in ``work``), from its weights in
-    F32: the tool copies a tensor already at the type it would give, so the teacher itself would come back whole."""
-    out = work / f"teacher-{ftype}.gguf"
-    if not out.is_file():
-        f32, tmp = work / "teacher-F32.gguf", out.with_suffix(".partial")
+def requantized(quantize: Path, teacher: Path, imatrix: Path, ftypes: list[str], work: Path) -> dict[str, Path]:
+    """The teacher quantized again at each of ``ftypes`` with the matrix (made once, kept in ``work``), from its
+    weights in F32 (written once for all of them): the tool copies a tensor already at the type it would give, so
+    the teacher itself would come back whole."""
+    outs = {ftype: work / f"teacher-{ftype}.gguf" for ftype in ftypes}
+    todo = [ftype for ftype, out in outs.items() if not out.is_file()]
+    if todo:
+        f32 = work / "teacher-F32.gguf"
         subprocess.run([str(quantize), "--allow-requantize", str(teacher), str(f32), "F32"], check=True, capture_output=True)
-        subprocess.run([str(quantize), "--allow-requantize", "--imatrix", str(imatrix), str(f32), str(tmp), ftype,
-                        str(os.cpu_count())], check=True, capture_output=True)
+        for ftype in todo:
+            tmp = outs[ftype].with_suffix(".partial")
+            subprocess.run([str(quantize), "--allow-requantize", "--imatrix", str(imatrix), str(f32), str(tmp), ftype,
+                            str(os.cpu_count())], check=True, capture_output=True)
+            tmp.rename(outs[ftype])
         f32.unlink()
-        tmp.rename(out)
-    return out
+    return outs
 
 
 def spliced(teacher: Path, donor: Path, tensor: str, name: str, work: Path) -> Path:
@@ -100,8 +104,8 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     model = MODELS["qwen2.5-coder-1.5b"]
     teacher = model.teacher()
-    donors = {"its own type, quantized again": requantized(quantize, teacher, model.imatrix, "Q4_K_M", a.work),
-              "Q3_K": requantized(quantize, teacher, model.imatrix, "Q3_K_M", a.work)}
+    again = requantized(quantize, teacher, model.imatrix, ["Q4_K_M", "Q3_K_M"], a.work)
+    donors = {"its own type, quantized again": again["Q4_K_M"], "Q3_K": again["Q3_K_M"]}
     files: dict[str, Path] = {}
     errors: dict[str, float] = {}
     layers = [int(x) for x in a.layers.split(",")]

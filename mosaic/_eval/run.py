@@ -39,7 +39,7 @@ from mosaic._eval.reference import Reference, is_reference_file, load_reference
 from mosaic._eval.rowpool import RowPool
 from mosaic._eval.rows import Rows, load_rows
 from mosaic._eval.runtime import RuntimeInfo, default_threads
-from mosaic._eval.scoring import Job, positions, repeated, score
+from mosaic._eval.scoring import Job, counted, positions, repeated, score
 from mosaic._eval.worker import RemoteModel, get_runtime, score_in_worker
 
 #: float32 log-probabilities of one block of positions per model (positions × vocabulary): 1 MiB each, per panel
@@ -186,6 +186,7 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
     exact = teacher.live is not None
     repeats = repeated(teacher.row_tokens, ctx)  # a prediction several rows open with counts once
     results = [summarize(c.name, s, exact, req.per_position, repeats) for c, s in zip(cands, scores)]
+    counts, once = counted(teacher.row_tokens, ctx, repeats)
     doc: dict[str, object] = {
         "reference": teacher.name,
         "reference_kind": "live (exact KL)" if exact else f"saved top-{teacher.k} (KL lower bound)",
@@ -196,8 +197,8 @@ def evaluate(req: EvalRequest, progress: Reporter = SILENT) -> dict[str, object]
         "batch": batch,
         "runtime": used.as_dict() if used else None,
         "tokens": sum(len(t) for t in teacher.row_tokens),
-        "positions": positions(teacher.row_tokens, ctx) - sum(int(m.sum()) for m in repeats),
-        "repeated": sum(int(m.sum()) for m in repeats),
+        "positions": counts,
+        "repeated": once,
         "rows": len(rows.texts),
         "candidates": results,
         "comparisons": [compare(results[0], r) for r in results[1:]],

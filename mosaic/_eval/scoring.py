@@ -65,6 +65,13 @@ def repeated(row_tokens: Sequence[Sequence[int]], ctx: int) -> list[np.ndarray]:
     return out
 
 
+def counted(row_tokens: Sequence[Sequence[int]], ctx: int, repeats: list[np.ndarray] | None = None) -> tuple[int, int]:
+    """The positions a panel counts and the repeated ones it leaves out, as every document reports them (from
+    ``repeats`` where the caller has walked them already)."""
+    once = sum(int(m.sum()) for m in (repeated(row_tokens, ctx) if repeats is None else repeats))
+    return positions(row_tokens, ctx) - once, once
+
+
 @dataclass
 class Job:
     """One scoring: the rows' tokens, the teacher (``live``, or a saved top-k) and what to keep."""

@@ -16,7 +16,7 @@ from mosaic._base.version import __version__
 from mosaic._build.run import fsync_dir
 from mosaic._eval.reference import Reference
 from mosaic._eval.rows import Rows
-from mosaic._eval.scoring import repeated
+from mosaic._eval.scoring import counted
 from mosaic._hub.partial import atomic_write
 from mosaic._measure.calibrate import BASE, KIND_CALIBRATIONS, complete, measured_record, unit_key
 from mosaic._measure.refine import kind_ratios, rescale, scales
@@ -60,9 +60,8 @@ def document(plan: Schedule, records: list[dict], head_: dict, ref: Reference) -
     base_rec = next(r for r in records if r["kind"] == "base")
     doc = dict(head_)
     doc["base"] = {**head_["base"], "kl": base_rec["kl"], "top1": base_rec["top1"], "nll": base_rec["nll"]}
-    once = sum(int(m.sum()) for m in repeated(ref.row_tokens, ref.ctx))  # counted as mosaic eval counts them
-    doc["text"] = {**head_["text"], "sha256": ref.text_sha256, "rows": len(ref.row_tokens),
-                   "positions": int(ref.top_ids.shape[0]) - once, "repeated": once}
+    counts, once = counted(ref.row_tokens, ref.ctx)  # as mosaic eval counts them
+    doc["text"] = {**head_["text"], "sha256": ref.text_sha256, "rows": len(ref.row_tokens), "positions": counts, "repeated": once}
     teacher_runs = 1 if head_["reference"]["kind"] == "model" else 0
     if plan.top is None:  # swaps: every result measured
         res = {(r["layer"], r["group"], r["donor"]): r for r in records if r["kind"] == "result"}
